@@ -1,0 +1,1 @@
+"""The ``cb`` command line: one module per subcommand."""

@@ -1,0 +1,94 @@
+"""``cb``: entry point, common flags, and one clean line per error.
+
+Each subcommand lives in ``cbcore/cli/<name>.py`` and exposes
+``register(subparsers, common) -> None``, which adds its parser and sets
+``func`` (``args -> int`` exit code).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from pydantic import ValidationError
+
+COMMANDS = ("demo", "generate", "check", "bench", "plugins")
+
+
+class CLIError(Exception):
+    """A user-facing failure: printed as one line (no traceback unless --log-level debug)."""
+
+
+def common_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    group = common.add_argument_group("common options")
+    group.add_argument("--config", metavar="FILE", help="engine config (.yaml, .toml or .json)")
+    group.add_argument(
+        "--set",
+        metavar="KEY.PATH=VALUE",
+        action="append",
+        default=[],
+        dest="overrides",
+        help="override one config value, e.g. --set scheduler.budget.max_num_seqs=4 (repeatable)",
+    )
+    group.add_argument(
+        "--model", metavar="DIR_OR_ID", help="HF model directory or hub id (default: SmolLM2-135M)"
+    )
+    group.add_argument("--device", help="cpu, cuda, cuda:1 or auto (default: the config's, cpu)")
+    group.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], help="model dtype")
+    group.add_argument(
+        "--log-level", default="warning", choices=["debug", "info", "warning", "error"], help="log verbosity"
+    )
+    group.add_argument("--log-json", action="store_true", help="logs as JSON lines on stderr")
+    return common
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cb", description="cbcore: continuous-batching inference with pluggable policies and backends"
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    common = common_parser()
+    for name in COMMANDS:
+        module = importlib.import_module(f"cbcore.cli.{name}")
+        module.register(sub, common)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from cbcore.log import configure_logging
+
+    configure_logging(args.log_level, args.log_json)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("cb: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        if args.log_level == "debug":
+            raise
+        print(f"cb: error: {one_line(exc)}", file=sys.stderr)
+        return 2
+
+
+def one_line(exc: BaseException) -> str:
+    from cbcore.config import format_validation_error
+
+    if isinstance(exc, ValidationError):
+        return format_validation_error(exc)
+    text = str(exc).strip() or type(exc).__name__
+    if isinstance(exc, CLIError):
+        return text.splitlines()[0]
+    first = text.splitlines()[0]
+    return (
+        first
+        if isinstance(exc, ValueError | OSError | RuntimeError | LookupError)
+        else f"{type(exc).__name__}: {first}"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

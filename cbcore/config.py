@@ -1,0 +1,166 @@
+"""Engine configuration: pydantic models, file loading and ``--set`` overrides.
+
+Each policy slot and the backend are ``{name: ..., <params>}`` mappings; the
+params are validated against the plugin's own ``Params`` model when the config
+is validated, so a typo fails before any model is loaded and the error names
+the key path.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
+
+
+class PluginSpec(BaseModel):
+    """``{name: <registered name or module:Class>, **params}``."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    name: str
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_string(cls, data: Any) -> Any:
+        return {"name": data} if isinstance(data, str) else data
+
+    @property
+    def params(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+class SchedulerConfig(BaseModel):
+    """One policy per extension point, or ``name`` naming a whole-scheduler replacement."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    queue: PluginSpec = PluginSpec(name="fcfs")
+    budget: PluginSpec = PluginSpec(name="token-budget")
+    prefill: PluginSpec = PluginSpec(name="chunked-prefill")
+    preemption: PluginSpec = PluginSpec(name="recompute")
+    # A registered `scheduler`-kind plugin that replaces the composed scheduler.
+    name: str | None = None
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class KVCacheConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    block_size: PositiveInt = 16
+    num_blocks: PositiveInt | None = Field(None, description="None: as many as max_memory_mb holds.")
+    max_memory_mb: float = Field(
+        1024.0, gt=0, description="Budget for the device KV pool when num_blocks is None."
+    )
+    num_host_blocks: int | None = Field(
+        None, ge=0, description="Host blocks for swap preemption; None: as many as the device pool."
+    )
+
+
+class ModelConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    path: str | None = Field(None, description="HF model directory or hub id; None: the embedded default.")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "float32"
+    device: str = "cpu"
+    max_model_len: PositiveInt | None = Field(None, description="None: the model's max_position_embeddings.")
+    trust_remote_code: bool = False
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    scheduler: SchedulerConfig = SchedulerConfig()
+    backend: PluginSpec = PluginSpec(name="sdpa")
+    kv_cache: KVCacheConfig = KVCacheConfig()
+    model: ModelConfig = ModelConfig()
+    plugins: list[str] = Field(
+        default_factory=list, description="Modules or .py files that implement cbcore hooks."
+    )
+
+    @model_validator(mode="after")
+    def _check_plugins(self) -> EngineConfig:
+        from cbcore.plugins import get_registry
+
+        registry = get_registry(tuple(self.plugins))
+        if self.scheduler.name is not None:
+            registry.validate("scheduler", self.scheduler.name, self.scheduler.params, "scheduler")
+        for slot in ("queue", "budget", "prefill", "preemption"):
+            spec: PluginSpec = getattr(self.scheduler, slot)
+            registry.validate(slot, spec.name, spec.params, f"scheduler.{slot}")
+        registry.validate("backend", self.backend.name, self.backend.params, "backend")
+        return self
+
+    # -- loading -------------------------------------------------------------
+
+    @classmethod
+    def from_file(cls, path: str | Path, overrides: list[str] | None = None) -> EngineConfig:
+        return cls.from_dict(read_config_file(path), overrides)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], overrides: list[str] | None = None) -> EngineConfig:
+        data = apply_overrides(data, overrides or [])
+        return cls.model_validate(data)
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    try:
+        if path.suffix == ".toml":
+            data = tomllib.loads(text)
+        elif path.suffix == ".json":
+            data = json.loads(text)
+        elif path.suffix in (".yaml", ".yml"):
+            data = yaml.safe_load(text)
+        else:
+            raise ConfigError(
+                f"config file {path}: unknown suffix {path.suffix!r} (use .yaml, .toml or .json)"
+            )
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError(f"config file {path} is not valid {path.suffix[1:]}: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping at the top level")
+    return data
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``key.path=value`` strings; values are parsed as YAML scalars (``4``, ``true``, ``null``)."""
+    data = json.loads(json.dumps(data))  # deep copy of plain data
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {item!r}: expected key.path=value")
+        parts = key.strip().split(".")
+        node = data
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if isinstance(child, str):  # `queue: fcfs` shorthand becomes a mapping
+                child = node[part] = {"name": child}
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {item!r}: {part!r} is not a section")
+            node = child
+        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+    return data
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with a message that names the offending key or file."""
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    """One line per problem: ``key.path: message``."""
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "config"
+        lines.append(f"{loc}: {err['msg']}")
+    return "; ".join(lines)

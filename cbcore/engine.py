@@ -1,0 +1,355 @@
+"""Engine: requests in, one packed forward per step, output deltas out."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from cbcore.batch import FlatBatch
+from cbcore.block_manager import BlockManager
+from cbcore.config import EngineConfig
+from cbcore.log import get_logger
+from cbcore.outputs import RequestOutput
+from cbcore.plugins import get_registry
+from cbcore.policy import StepResult
+from cbcore.policy_scheduler import PolicyScheduler
+from cbcore.runner import KVGeometry, ModelRunner, plan_num_blocks
+from cbcore.sampler import sample
+from cbcore.sampling_params import SamplingParams
+from cbcore.scheduler import Scheduler, SchedulerOutput
+from cbcore.sequence import FinishReason, Sequence
+from cbcore.stats import StepStats
+
+log = get_logger(__name__)
+
+Prompt = str | list[int]
+
+
+class RequestError(ValueError):
+    """A request was refused before it ran; the message says what was wrong with it."""
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """Everything about one step, for listeners (the demo, benchmarks, tests)."""
+
+    stats: StepStats
+    output: SchedulerOutput
+    batch: FlatBatch | None
+    outputs: list[RequestOutput]
+
+
+class Engine:
+    """Continuous batching over one HF causal LM.
+
+    Every :meth:`step` asks the scheduler what runs, packs all of it (prefill
+    chunks and decode tokens of every sequence) into one row, runs the model
+    once, samples one token per sequence that finished its pending tokens, and
+    reports the deltas.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: Any | None = None,
+        config: EngineConfig | None = None,
+        *,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.config = config = config if config is not None else EngineConfig()
+        self.tokenizer = tokenizer
+        self.clock = clock
+        _check_model_matches(model, config)
+        registry = get_registry(tuple(config.plugins))
+        backend = registry.create("backend", config.backend.name, config.backend.params, "backend")
+
+        sched = config.scheduler
+        policies = None
+        if sched.name is None:
+            policies = {
+                slot: registry.create(slot, spec.name, spec.params, f"scheduler.{slot}")
+                for slot in ("queue", "budget", "prefill", "preemption")
+                for spec in [getattr(sched, slot)]
+            }
+        num_blocks = plan_num_blocks(config.kv_cache, KVGeometry.of(model), next(model.parameters()).dtype)
+        host_blocks = config.kv_cache.num_host_blocks
+        if host_blocks is None:  # swap space defaults to the size of the device pool
+            swaps = policies is not None and policies["preemption"].mode == "swap"
+            host_blocks = num_blocks if swaps else 0
+        self.runner = ModelRunner(model, backend, config.kv_cache.block_size, num_blocks, host_blocks)
+        blocks = BlockManager(num_blocks, config.kv_cache.block_size, host_blocks)
+        if policies is not None:
+            self.scheduler: Scheduler = PolicyScheduler(**policies, blocks=blocks, clock=clock)
+        else:
+            self.scheduler = registry.create("scheduler", sched.name, sched.params, "scheduler", blocks)
+
+        self.model = model
+        self.eos_token_ids = _eos_ids(model)
+        text_cfg = model.config.get_text_config()
+        self.vocab_size = text_cfg.vocab_size
+        self.max_model_len = config.model.max_model_len or getattr(text_cfg, "max_position_embeddings", None)
+        self.step_stats: list[StepStats] = []
+        self.step_listeners: list[Callable[[StepRecord], None]] = []
+        self._ids = itertools.count()
+
+    # -- construction --------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, path: str | None = None, config: EngineConfig | None = None) -> Engine:
+        """Load a model directory or hub id (``config.model`` says dtype and device)."""
+        from cbcore.loading import load_model_and_tokenizer
+
+        config = config if config is not None else EngineConfig()
+        model, tokenizer = load_model_and_tokenizer(path or config.model.path, config.model)
+        return cls(model, tokenizer, config)
+
+    # -- requests ------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+        client_id: str = "default",
+        arrival_time: float | None = None,
+    ) -> str:
+        """Queue one request and return its id; raises :class:`RequestError` on bad input."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"params must be SamplingParams, got {type(params).__name__}")
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+        elif self.scheduler_has(request_id):
+            raise RequestError(f"request id {request_id!r} is already in use")
+        token_ids = self._encode(prompt, request_id)
+        self._validate(token_ids, request_id)
+        seq = Sequence(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            params=params,
+            priority=priority,
+            client_id=client_id,
+            arrival_time=self.clock() if arrival_time is None else arrival_time,
+        )
+        self.scheduler.add(seq)
+        return request_id
+
+    def scheduler_has(self, request_id: str) -> bool:
+        get = getattr(self.scheduler, "get", None)
+        return get is not None and get(request_id) is not None
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request wherever it is; its KV blocks are freed at once."""
+        seq = self.scheduler.abort(request_id)
+        if seq is not None:
+            log.info("request aborted", request_id=request_id, generated=seq.num_output_tokens)
+        return seq is not None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the loop ------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; return a delta for every request that produced a token or ended."""
+        t0 = self.clock()
+        out = self.scheduler.schedule()
+        t1 = self.clock()
+        outputs = [RequestOutput.of(seq, [], self._text(seq)) for seq in out.failed]
+        batch = None
+        t2 = t3 = t1
+        if not out.is_empty:
+            self.runner.swap(out)
+            batch = self.runner.prepare(out)
+            t2 = self.clock()
+            logits = self.runner.forward(batch)
+            if logits.device.type == "cuda":
+                torch.cuda.synchronize()
+            t3 = self.clock()
+            outputs.extend(self._postprocess(out, batch, logits))
+        t4 = self.clock()
+        blocks = self.scheduler.blocks
+        stats = StepStats(
+            step=len(self.step_stats) + 1,
+            num_seqs=len(out.scheduled),
+            num_tokens=out.num_tokens,
+            num_prefill_tokens=out.num_prefill_tokens,
+            num_decode_tokens=out.num_decode_tokens,
+            num_preempted=len(out.preempted),
+            kv_blocks_used=blocks.num_used_blocks,
+            kv_blocks_total=blocks.num_blocks,
+            schedule_s=t1 - t0,
+            prepare_s=t2 - t1,
+            forward_s=t3 - t2,
+            sample_s=t4 - t3,
+        )
+        self.step_stats.append(stats)
+        for listener in self.step_listeners:
+            listener(StepRecord(stats, out, batch, outputs))
+        return outputs
+
+    def _postprocess(
+        self, out: SchedulerOutput, batch: FlatBatch, logits: torch.Tensor
+    ) -> list[RequestOutput]:
+        sampling = [out.scheduled[i].seq for i in batch.sample_rows]
+        tokens, top = sample(logits, sampling)
+        now = self.clock()
+        new_token: dict[Sequence, int] = {}
+        for seq, token, logprobs in zip(sampling, tokens, top, strict=True):
+            seq.num_computed_tokens = seq.num_tokens
+            seq.append_token(token, now)
+            if logprobs is not None:
+                seq.logprobs.append(logprobs)
+            self._check_finish(seq, token, now)
+            new_token[seq] = token
+        results = []
+        for item in out.scheduled:
+            if item.seq not in new_token:  # a non-final prefill chunk
+                item.seq.num_computed_tokens += item.num_tokens
+            results.append(StepResult(item.seq, item.num_tokens, new_token.get(item.seq)))
+        self.scheduler.on_step_end(out, results)
+        return [RequestOutput.of(seq, [tok], self._text(seq)) for seq, tok in new_token.items()]
+
+    def _check_finish(self, seq: Sequence, token: int, now: float) -> None:
+        params = seq.params
+        if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
+            seq.finish(FinishReason.STOP, now)
+        elif seq.num_output_tokens >= params.max_new_tokens or (
+            self.max_model_len is not None and seq.num_tokens >= self.max_model_len
+        ):
+            seq.finish(FinishReason.LENGTH, now)
+
+    # -- batch API -----------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Seq[Prompt],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        priorities: Seq[int] | None = None,
+        client_ids: Seq[str] | None = None,
+        progress: bool = False,
+    ) -> list[RequestOutput]:
+        """Run ``prompts`` to completion; outputs come back in prompt order.
+
+        A prompt that is refused (empty, too long, can never fit the KV cache)
+        yields an output with ``finish_reason="error"`` and the reason in
+        ``error``; the other prompts run normally.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            raise TypeError("generate() takes a list of prompts (strings or token-id lists)")
+        if self.has_unfinished():
+            raise RuntimeError("generate() needs an idle engine; drive pending requests with step()")
+        per_prompt = _expand(params, len(prompts), "params")
+        prios = _expand(priorities, len(prompts), "priorities", default=0)
+        clients = _expand(client_ids, len(prompts), "client_ids", default="default")
+        ids: list[str] = []
+        done: dict[str, RequestOutput] = {}
+        for prompt, p, prio, client in zip(prompts, per_prompt, prios, clients, strict=True):
+            request_id = f"req-{next(self._ids)}"
+            try:
+                self.add_request(prompt, p, request_id=request_id, priority=prio, client_id=client)
+            except RequestError as exc:
+                log.warning("request rejected", request_id=request_id, error=str(exc))
+                prompt_ids = prompt if isinstance(prompt, list) else []
+                done[request_id] = RequestOutput.rejected(request_id, list(prompt_ids), str(exc))
+            ids.append(request_id)
+        bar = _progress(progress, len(ids) - len(done))
+        while self.has_unfinished():
+            for output in self.step():
+                if output.finished:
+                    done[output.request_id] = output
+                    bar.update(1)
+        bar.close()
+        return [done[i] for i in ids]
+
+    # -- helpers -------------------------------------------------------------
+
+    def _encode(self, prompt: Prompt, request_id: str) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError(f"request {request_id}: a text prompt needs a tokenizer; pass token ids")
+            return list(self.tokenizer.encode(prompt))
+        if not isinstance(prompt, list | tuple) or not all(isinstance(t, int) for t in prompt):
+            raise RequestError(f"request {request_id}: a prompt is a string or a list of int token ids")
+        return list(prompt)
+
+    def _validate(self, token_ids: list[int], request_id: str) -> None:
+        if not token_ids:
+            raise RequestError(f"request {request_id}: the prompt is empty")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(
+                f"request {request_id}: token id {bad[0]} is outside the vocabulary (size {self.vocab_size})"
+            )
+        if self.max_model_len is not None and len(token_ids) >= self.max_model_len:
+            raise RequestError(
+                f"request {request_id}: the prompt has {len(token_ids)} tokens, which leaves no room in the "
+                f"model's context of {self.max_model_len} tokens"
+            )
+        blocks: BlockManager = self.scheduler.blocks
+        if blocks.blocks_for_tokens(len(token_ids)) > blocks.num_blocks:
+            raise RequestError(
+                f"request {request_id}: the prompt has {len(token_ids)} tokens but the whole KV cache holds "
+                f"{blocks.capacity_tokens} ({blocks.num_blocks} blocks of {blocks.block_size}); "
+                "raise kv_cache.num_blocks"
+            )
+
+    def _text(self, seq: Sequence) -> str | None:
+        if self.tokenizer is None or not seq.is_finished:
+            return None
+        return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+
+
+def _eos_ids(model: PreTrainedModel) -> frozenset[int]:
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = getattr(model.config, "eos_token_id", None)
+    if eos is None:
+        return frozenset()
+    return frozenset([eos] if isinstance(eos, int) else eos)
+
+
+def _check_model_matches(model: PreTrainedModel, config: EngineConfig) -> None:
+    """An in-memory model is used as it is; an explicit ``model`` section that disagrees is an error."""
+    param = next(model.parameters())
+    explicit = config.model.model_fields_set
+    if "dtype" in explicit and config.model.dtype != "auto":
+        want = getattr(torch, config.model.dtype)
+        if param.dtype != want:
+            raise ValueError(f"model.dtype is {config.model.dtype} but the model given is {param.dtype}")
+    if "device" in explicit and torch.device(config.model.device).type != param.device.type:
+        raise ValueError(f"model.device is {config.model.device} but the model given is on {param.device}")
+
+
+def _expand(value: Any, n: int, what: str, default: Any = None) -> list[Any]:
+    if value is None:
+        return [SamplingParams() if what == "params" else default] * n
+    if isinstance(value, SamplingParams | int | str):
+        return [value] * n
+    value = list(value)
+    if len(value) != n:
+        raise ValueError(f"{what}: got {len(value)} values for {n} prompts")
+    return value
+
+
+def _progress(enabled: bool, total: int) -> Any:
+    if not enabled:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="req", desc="generate")
+
+
+class _NoBar:
+    def update(self, n: int) -> None: ...
+    def close(self) -> None: ...

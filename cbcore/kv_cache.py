@@ -1,0 +1,88 @@
+"""The paged KV tensors: one K and one V pool per layer, written in place.
+
+Layout per layer: ``[num_blocks * block_size, num_kv_heads, head_dim]`` — a
+flat array of *slots*. Slot ``b * block_size + i`` is position ``i`` of block
+``b``. A step writes its new K/V with one ``index_copy_`` through the slot
+mapping; nothing is ever re-concatenated. Backends that want the blocked view
+(FlashAttention's paged kernels) get it with :meth:`blocked`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        num_host_blocks: int = 0,
+    ) -> None:
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        slots = num_blocks * block_size
+        shape = (num_layers, slots, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.v = torch.zeros(shape, dtype=dtype, device=self.device)
+        host_shape = (num_layers, num_host_blocks * block_size, num_kv_heads, head_dim)
+        pin = self.device.type == "cuda"
+        self.host_k = torch.zeros(host_shape, dtype=dtype, pin_memory=pin)
+        self.host_v = torch.zeros(host_shape, dtype=dtype, pin_memory=pin)
+
+    @staticmethod
+    def bytes_per_block(
+        num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store this step's keys/values (``[T, kv_heads, head_dim]``) at their slots."""
+        self.k[layer].index_copy_(0, slot_mapping, k.to(self.dtype))
+        self.v[layer].index_copy_(0, slot_mapping, v.to(self.dtype))
+
+    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values at ``slots`` (``[N, kv_heads, head_dim]``)."""
+        return self.k[layer].index_select(0, slots), self.v[layer].index_select(0, slots)
+
+    def blocked(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views ``[num_blocks, block_size, kv_heads, head_dim]`` of one layer (no copy)."""
+        shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        return self.k[layer].view(shape), self.v[layer].view(shape)
+
+    def _slots(self, blocks: list[int]) -> torch.Tensor:
+        b = torch.tensor(blocks, dtype=torch.long)
+        return (b[:, None] * self.block_size + torch.arange(self.block_size)).reshape(-1)
+
+    def copy_out(self, pairs: list[tuple[int, int]]) -> None:
+        """Device block -> host block, for every layer at once."""
+        if not pairs:
+            return
+        dev = self._slots([d for d, _ in pairs])
+        host = self._slots([h for _, h in pairs])
+        self.host_k[:, host] = self.k[:, dev.to(self.device)].to("cpu")
+        self.host_v[:, host] = self.v[:, dev.to(self.device)].to("cpu")
+
+    def copy_in(self, pairs: list[tuple[int, int]]) -> None:
+        """Host block -> device block, for every layer at once."""
+        if not pairs:
+            return
+        host = self._slots([h for h, _ in pairs])
+        dev = self._slots([d for _, d in pairs]).to(self.device)
+        self.k[:, dev] = self.host_k[:, host].to(self.device)
+        self.v[:, dev] = self.host_v[:, host].to(self.device)

@@ -1,0 +1,116 @@
+"""What the engine hands back: per-request outputs and their latency metrics."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from cbcore.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class RequestMetrics:
+    """Timestamps (``time.perf_counter`` seconds) and the latencies derived from them.
+
+    Definitions follow vLLM's benchmark: TTFT from arrival to the first token,
+    ITL the gaps between consecutive tokens, TPOT = (e2e - TTFT) / (n - 1).
+    """
+
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    token_times: tuple[float, ...]
+    finish_time: float | None
+    num_preemptions: int
+    prompt_len: int
+    output_len: int
+
+    @classmethod
+    def of(cls, seq: Sequence) -> RequestMetrics:
+        return cls(
+            arrival_time=seq.arrival_time,
+            first_scheduled_time=seq.first_scheduled_time,
+            first_token_time=seq.first_token_time,
+            token_times=tuple(seq.token_times),
+            finish_time=seq.finish_time,
+            num_preemptions=seq.num_preemptions,
+            prompt_len=seq.num_prompt_tokens,
+            output_len=seq.num_output_tokens,
+        )
+
+    @property
+    def queue_time(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def ttft(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def itl(self) -> list[float]:
+        t = self.token_times
+        return [b - a for a, b in itertools.pairwise(t)]
+
+    @property
+    def e2e(self) -> float | None:
+        if self.finish_time is None:
+            return None
+        return self.finish_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        if self.output_len < 2 or self.e2e is None or self.ttft is None:
+            return None
+        return (self.e2e - self.ttft) / (self.output_len - 1)
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """One request's state as seen by the caller.
+
+    From :meth:`Engine.step` it is a delta (``new_token_ids`` are the tokens
+    produced by that step); from :meth:`Engine.generate` it is final.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    text: str | None = None
+    error: str | None = None
+    metrics: RequestMetrics | None = None
+    logprobs: list[dict[int, float]] | None = field(default=None, repr=False)
+
+    @classmethod
+    def of(cls, seq: Sequence, new_token_ids: list[int], text: str | None = None) -> RequestOutput:
+        return cls(
+            request_id=seq.request_id,
+            prompt_token_ids=list(seq.prompt_token_ids),
+            output_token_ids=seq.output_token_ids,
+            new_token_ids=new_token_ids,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+            text=text,
+            error=seq.error,
+            metrics=RequestMetrics.of(seq),
+            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+        )
+
+    @classmethod
+    def rejected(cls, request_id: str, prompt_token_ids: list[int], error: str) -> RequestOutput:
+        """A request refused before it ever ran (bad input)."""
+        return cls(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            output_token_ids=[],
+            new_token_ids=[],
+            finished=True,
+            finish_reason="error",
+            error=error,
+        )

@@ -1,0 +1,330 @@
+"""The composed scheduler: one queue, budget, prefill and preemption policy.
+
+Each step runs three phases over the policies' answers (decode-first order;
+prefill-first swaps the phase order so new prompts are served first):
+
+1. running   — decodes and ongoing prefill chunks, in queue order; when the KV
+               cache cannot grow, the preemption policy evicts a victim among
+               the running sequences not yet scheduled this step (possibly the
+               sequence itself, which then waits);
+2. swapped   — sequences evicted by swap come back before anything new starts;
+3. waiting   — admissions in queue order, while the budget allows, stopping at
+               the first that does not fit (no overtaking). A queue policy with
+               ``preempts_running`` may evict lower-ranked running sequences
+               to make room. Skipped in a step that had to preempt: memory is
+               tight and new work would only be evicted again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+
+from cbcore.block_manager import BlockManager
+from cbcore.log import get_logger
+from cbcore.policy import (
+    BudgetPolicy,
+    PreemptionPolicy,
+    PrefillPolicy,
+    QueuePolicy,
+    SchedulerState,
+    StepResult,
+)
+from cbcore.scheduler import ScheduledSeq, SchedulerOutput, SchedulerStall
+from cbcore.sequence import FinishReason, Sequence, SequenceStatus
+
+log = get_logger(__name__)
+
+
+@dataclass
+class _StepPlan:
+    out: SchedulerOutput
+    tokens_left: int
+    seqs_left: int
+    tokens: dict[Sequence, int] = field(default_factory=dict)
+    partial: int = 0
+
+    @property
+    def empty(self) -> bool:
+        return not self.tokens
+
+    def add(self, seq: Sequence, n: int) -> None:
+        if n < seq.num_pending_tokens:
+            self.partial += 1
+        self.out.scheduled.append(ScheduledSeq(seq, n))
+        self.tokens[seq] = n
+        self.tokens_left -= n
+        self.seqs_left -= 1
+
+    def unschedule(self, seq: Sequence) -> None:
+        n = self.tokens.pop(seq)
+        self.out.scheduled = [s for s in self.out.scheduled if s.seq is not seq]
+        self.tokens_left += n
+        self.seqs_left += 1
+
+
+class PolicyScheduler:
+    """Implements :class:`cbcore.scheduler.Scheduler` from four narrow policies."""
+
+    def __init__(
+        self,
+        queue: QueuePolicy,
+        budget: BudgetPolicy,
+        prefill: PrefillPolicy,
+        preemption: PreemptionPolicy,
+        blocks: BlockManager,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.queue = queue
+        self.budget = budget
+        self.prefill = prefill
+        self.preemption = preemption
+        self.blocks = blocks
+        self.clock = clock
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.swapped: list[Sequence] = []
+        self._by_id: dict[str, Sequence] = {}
+        self.step_index = 0
+        self.num_preemptions = 0
+        self.num_swap_fallbacks = 0
+        self.num_partial_prefills = 0  # scheduled prefill chunks shorter than what was pending
+
+    @property
+    def policies(self) -> tuple[QueuePolicy, BudgetPolicy, PrefillPolicy, PreemptionPolicy]:
+        return (self.queue, self.budget, self.prefill, self.preemption)
+
+    # -- protocol ------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        if seq.request_id in self._by_id:
+            raise ValueError(f"request id {seq.request_id!r} is already in the scheduler")
+        self._by_id[seq.request_id] = seq
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+        now = self.clock()
+        for policy in self.policies:
+            policy.on_arrival(seq, now)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def get(self, request_id: str) -> Sequence | None:
+        return self._by_id.get(request_id)
+
+    def state(self, now: float) -> SchedulerState:
+        return SchedulerState(
+            now=now,
+            step=self.step_index,
+            waiting=tuple(self.waiting),
+            running=tuple(self.running),
+            swapped=tuple(self.swapped),
+            kv=self.blocks,
+        )
+
+    def schedule(self) -> SchedulerOutput:
+        now = self.clock()
+        self.step_index += 1
+        state = self.state(now)
+        limits = self.budget.limits(state)
+        plan = _StepPlan(SchedulerOutput(), limits.max_num_tokens, limits.max_num_seqs)
+        self.prefill.begin_step()
+        if self.prefill.order == "decode-first":
+            phases = (self._schedule_running, self._schedule_swapped, self._schedule_waiting)
+        else:
+            phases = (self._schedule_swapped, self._schedule_waiting, self._schedule_running)
+        for phase in phases:
+            phase(plan, state, limits.max_num_seqs)
+        out = plan.out
+        self.num_partial_prefills += plan.partial
+        if out.is_empty and not out.failed and not out.preempted and self.has_unfinished():
+            raise SchedulerStall(
+                f"step {self.step_index}: nothing scheduled with {len(self.waiting)} waiting, "
+                f"{len(self.running)} running, {len(self.swapped)} swapped; limits {limits}, "
+                f"policies {[p.name for p in self.policies]}"
+            )
+        return out
+
+    def on_step_end(self, output: SchedulerOutput, results: Seq[StepResult]) -> None:
+        now = self.clock()
+        for policy in self.policies:
+            policy.on_step_end(results, now)
+        finished = [s.seq for s in output.scheduled if s.seq.is_finished]
+        if not finished:
+            return
+        done = set(finished)
+        self.running = [s for s in self.running if s not in done]
+        for seq in finished:
+            self.blocks.free(seq)
+            self._forget(seq, now)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        seq = self._by_id.get(request_id)
+        if seq is None:
+            return None
+        self._remove(seq)
+        now = self.clock()
+        seq.finish(FinishReason.ABORT, now)
+        self._forget(seq, now)
+        return seq
+
+    # -- phases --------------------------------------------------------------
+
+    def _tokens_for(self, seq: Sequence, plan: _StepPlan) -> int:
+        if seq.num_pending_tokens == 1:
+            return 1
+        n = self.prefill.num_tokens(seq, plan.tokens_left, plan.empty)
+        return max(0, min(n, seq.num_pending_tokens))
+
+    def _schedule_running(self, plan: _StepPlan, state: SchedulerState, max_seqs: int) -> None:
+        order = self.queue.order(self.running, state.now)
+        # Stable sort: keep queue order within decodes and within prefills.
+        decode_first = self.prefill.order == "decode-first"
+        order.sort(key=lambda s: s.is_prefilling if decode_first else not s.is_prefilling)
+        for seq in order:
+            if seq.status is not SequenceStatus.RUNNING or seq in plan.tokens:
+                continue  # evicted as a victim earlier in this loop
+            if plan.seqs_left <= 0 or plan.tokens_left <= 0:
+                break
+            n = self._tokens_for(seq, plan)
+            if n > 0 and self._make_room(seq, n, plan, state.now):
+                plan.add(seq, n)
+
+    def _schedule_swapped(self, plan: _StepPlan, state: SchedulerState, max_seqs: int) -> None:
+        if not self.swapped:
+            return
+        just_evicted = set(plan.out.preempted)
+        for seq in self.queue.order(self.swapped, state.now):
+            if seq in just_evicted:
+                continue
+            if plan.seqs_left <= 0 or plan.tokens_left <= 0 or len(self.running) >= max_seqs:
+                break
+            n = self._tokens_for(seq, plan)
+            if n <= 0 or not self.blocks.can_swap_in(seq, n):
+                break
+            plan.out.swap_in.extend(self.blocks.swap_in(seq))
+            self.swapped.remove(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self.blocks.grow(seq, n)
+            plan.add(seq, n)
+
+    def _schedule_waiting(self, plan: _StepPlan, state: SchedulerState, max_seqs: int) -> None:
+        if plan.out.preempted or self.swapped or not self.waiting:
+            return
+        for seq in self.queue.order(self.waiting, state.now):
+            if plan.seqs_left <= 0 or plan.tokens_left <= 0 or len(self.running) >= max_seqs:
+                break
+            if not self.budget.may_admit(seq, state):
+                break
+            n = self._tokens_for(seq, plan)
+            if n <= 0:
+                break
+            if not self.blocks.can_grow(seq, n) and not self._preempt_for(seq, n, plan, state.now):
+                if self.blocks.num_used_blocks == 0:  # alone in an empty cache and still too big
+                    self._fail(seq, plan, state.now, self._too_big(seq, n))
+                    continue
+                break
+            self.waiting.remove(seq)
+            seq.status = SequenceStatus.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = state.now
+            self.running.append(seq)
+            self.blocks.grow(seq, n)
+            plan.add(seq, n)
+
+    # -- memory pressure -----------------------------------------------------
+
+    def _make_room(self, seq: Sequence, n: int, plan: _StepPlan, now: float) -> bool:
+        """Evict until ``seq`` can grow by ``n`` tokens; False if ``seq`` itself lost."""
+        while not self.blocks.can_grow(seq, n):
+            if self.blocks.num_used_blocks == len(seq.block_table):
+                self._fail(seq, plan, now, self._too_big(seq, n))
+                return False
+            candidates = [s for s in self.running if s not in plan.tokens]
+            victim = self._choose_victim(candidates, now) if len(candidates) > 1 else seq
+            self._preempt(victim, plan, now)
+            if victim is seq:
+                return False
+        self.blocks.grow(seq, n)
+        return True
+
+    def _preempt_for(self, seq: Sequence, n: int, plan: _StepPlan, now: float) -> bool:
+        """Let a waiting ``seq`` evict running sequences its queue ranks below it."""
+        if not self.queue.preempts_running:
+            return False
+        while not self.blocks.can_grow(seq, n):
+            lower = [r for r in self.running if self.queue.outranks(seq, r, now)]
+            if not lower:
+                return False
+            self._preempt(self._choose_victim(lower, now), plan, now)
+        return True
+
+    def _choose_victim(self, candidates: list[Sequence], now: float) -> Sequence:
+        victim = self.preemption.choose_victim(candidates, self.queue, now)
+        if victim not in candidates:
+            raise RuntimeError(
+                f"preemption policy {self.preemption.name!r} chose {getattr(victim, 'request_id', victim)!r}, "
+                "which is not among the candidates"
+            )
+        return victim  # type: ignore[return-value]
+
+    def _preempt(self, victim: Sequence, plan: _StepPlan, now: float) -> None:
+        self.running.remove(victim)
+        if victim in plan.tokens:
+            plan.unschedule(victim)
+        swap = self.preemption.mode == "swap"
+        if swap and self.blocks.can_swap_out(victim):
+            plan.out.swap_out.extend(self.blocks.swap_out(victim))
+            victim.status = SequenceStatus.SWAPPED
+            self.swapped.append(victim)
+        else:
+            if swap:
+                self.num_swap_fallbacks += 1
+                log.warning(
+                    "host swap space full; recomputing instead",
+                    request_id=victim.request_id,
+                    host_free=self.blocks.num_free_host_blocks,
+                    needed=len(victim.block_table),
+                )
+            self.blocks.free(victim)
+            victim.num_computed_tokens = 0
+            victim.status = SequenceStatus.WAITING
+            self.waiting.append(victim)
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        plan.out.preempted.append(victim)
+        for policy in self.policies:
+            policy.on_preempt(victim, now)
+
+    def _too_big(self, seq: Sequence, n: int) -> str:
+        need = self.blocks.blocks_for_tokens(seq.num_computed_tokens + n)
+        return (
+            f"request {seq.request_id!r} needs {need} KV blocks for {seq.num_computed_tokens + n} tokens "
+            f"but the cache has {self.blocks.num_blocks} blocks of {self.blocks.block_size}; "
+            "raise kv_cache.num_blocks or lower max_new_tokens"
+        )
+
+    def _fail(self, seq: Sequence, plan: _StepPlan, now: float, message: str) -> None:
+        self._remove(seq)
+        seq.finish(FinishReason.ERROR, now, message)
+        plan.out.failed.append(seq)
+        log.error("request failed", request_id=seq.request_id, error=message)
+        self._forget(seq, now)
+
+    def _remove(self, seq: Sequence) -> None:
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self.blocks.free(seq)
+        elif seq.status is SequenceStatus.SWAPPED:
+            self.swapped.remove(seq)
+            self.blocks.drop_host(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+
+    def _forget(self, seq: Sequence, now: float) -> None:
+        self._by_id.pop(seq.request_id, None)
+        for policy in self.policies:
+            policy.on_finish(seq, now)

@@ -1,0 +1,114 @@
+"""ModelRunner: owns the model and the KV tensors, runs one packed forward per step."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from cbcore.attention import AttentionContext, check_model_supported, routed_to_cbcore
+from cbcore.backend import Backend
+from cbcore.batch import FlatBatch, build_flat_batch
+from cbcore.config import KVCacheConfig
+from cbcore.kv_cache import KVCache
+from cbcore.log import get_logger
+from cbcore.scheduler import SchedulerOutput
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """The per-token KV shape a model needs."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, model: PreTrainedModel) -> KVGeometry:
+        cfg = model.config.get_text_config()
+        heads = cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        return cls(cfg.num_hidden_layers, kv_heads, head_dim)
+
+
+def plan_num_blocks(cfg: KVCacheConfig, geometry: KVGeometry, dtype: torch.dtype) -> int:
+    if cfg.num_blocks is not None:
+        return cfg.num_blocks
+    per_block = KVCache.bytes_per_block(
+        geometry.num_layers, cfg.block_size, geometry.num_kv_heads, geometry.head_dim, dtype
+    )
+    return max(1, math.floor(cfg.max_memory_mb * 2**20 / per_block))
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        backend: Backend,
+        block_size: int,
+        num_blocks: int,
+        num_host_blocks: int = 0,
+    ) -> None:
+        check_model_supported(model)
+        self.model = model.eval()
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.backend = backend
+        backend.check(self.device, block_size, self.dtype)
+        self.geometry = KVGeometry.of(model)
+        self.block_size = block_size
+        self.kv_cache = KVCache(
+            num_layers=self.geometry.num_layers,
+            num_blocks=num_blocks,
+            block_size=self.block_size,
+            num_kv_heads=self.geometry.num_kv_heads,
+            head_dim=self.geometry.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+            num_host_blocks=num_host_blocks,
+        )
+        self._attn = AttentionContext(backend, self.kv_cache)
+        self.num_forwards = 0
+        log.info(
+            "kv cache ready",
+            backend=backend.name,
+            num_blocks=num_blocks,
+            block_size=self.block_size,
+            host_blocks=num_host_blocks,
+            mib=round(self.kv_cache.nbytes / 2**20, 1),
+        )
+
+    def prepare(self, output: SchedulerOutput) -> FlatBatch:
+        chunks = []
+        sample = []
+        for item in output.scheduled:
+            seq, n = item.seq, item.num_tokens
+            start = seq.num_computed_tokens
+            chunks.append((seq.token_ids[start : start + n], start, seq.block_table))
+            sample.append(start + n == seq.num_tokens)
+        return build_flat_batch(chunks, sample, self.block_size, self.device)
+
+    @torch.inference_mode()
+    def forward(self, batch: FlatBatch) -> torch.Tensor:
+        """One forward over the packed row; logits ``[S, vocab]`` for the sampling rows only."""
+        with routed_to_cbcore(self.model):
+            out = self.model(
+                input_ids=batch.input_ids.unsqueeze(0),
+                position_ids=batch.positions.unsqueeze(0),
+                use_cache=False,
+                cb_batch=batch,
+                cb_attn=self._attn,
+                logits_to_keep=batch.logits_indices,
+            )
+        self.num_forwards += 1
+        return out.logits[0]
+
+    def swap(self, output: SchedulerOutput) -> None:
+        """Apply the step's swap copies before anything overwrites the freed blocks."""
+        self.kv_cache.copy_out(output.swap_out)
+        self.kv_cache.copy_in(output.swap_in)

@@ -1,0 +1,53 @@
+"""Turning one step's logits into one token per sampling sequence.
+
+Greedy rows are decided together by one argmax. Sampled rows are decided one
+by one, each with its own ``torch.Generator``: a request's random stream is
+consumed only by that request, so its tokens do not depend on what else was
+batched with it (or on how often it was preempted).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cbcore.sequence import Sequence
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[dict[int, float] | None]]:
+    """``logits[i]`` belongs to ``seqs[i]``; returns tokens and optional top log-probs."""
+    logits = logits.float()
+    tokens = logits.argmax(dim=-1).tolist()
+    top: list[dict[int, float] | None] = [None] * len(seqs)
+    want_logprobs = any(s.params.logprobs is not None for s in seqs)
+    logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+    for i, seq in enumerate(seqs):
+        params = seq.params
+        if not params.greedy:
+            tokens[i] = _sample_row(logits[i], params.temperature, params.top_k, params.top_p, seq.generator)
+        if logprobs is not None and params.logprobs is not None:
+            row = logprobs[i]
+            values, ids = row.topk(params.logprobs) if params.logprobs else (row[:0], row[:0].long())
+            entry = dict(zip(ids.tolist(), values.tolist(), strict=True))
+            entry[tokens[i]] = float(row[tokens[i]])
+            top[i] = entry
+    return tokens, top
+
+
+def _sample_row(
+    row: torch.Tensor, temperature: float, top_k: int, top_p: float, generator: torch.Generator | None
+) -> int:
+    row = row / temperature
+    if top_k and top_k < row.shape[-1]:
+        kth = torch.topk(row, top_k).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(row, descending=True)
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        # Drop a token when the mass before it already reaches top_p (keeps at least one).
+        drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= top_p
+        row = row.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    probs = torch.softmax(row, dim=-1)
+    if generator is not None and probs.device.type != "cpu":
+        # Generators are CPU-side so a request's stream is device-independent.
+        probs = probs.cpu()
+    return int(torch.multinomial(probs, 1, generator=generator).item())

@@ -1,0 +1,81 @@
+"""The Scheduler protocol and what one ``schedule()`` call decides."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from typing import ClassVar, Protocol, runtime_checkable
+
+from cbcore.block_manager import BlockManager
+from cbcore.policy import NoParams, StepResult
+from cbcore.sequence import Sequence
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_tokens: int  # pending tokens of this sequence that run this step
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan: who runs with how many tokens, and the KV moves it needs first."""
+
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    failed: list[Sequence] = field(default_factory=list)  # finished with an error by the scheduler
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(1 for s in self.scheduled if s.seq.num_pending_tokens == 1)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.num_tokens - self.num_decode_tokens
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@runtime_checkable
+class Scheduler(Protocol):
+    """Decides, every step, which sequences run and with how many tokens.
+
+    The scheduler owns the waiting/running/swapped sets and the KV block
+    bookkeeping; the engine owns the model and the tokens.
+    """
+
+    blocks: BlockManager
+
+    def add(self, seq: Sequence) -> None: ...
+    def schedule(self) -> SchedulerOutput: ...
+    def on_step_end(self, output: SchedulerOutput, results: Seq[StepResult]) -> None: ...
+    def abort(self, request_id: str) -> Sequence | None: ...
+    def has_unfinished(self) -> bool: ...
+
+
+class SchedulerPlugin:
+    """Base for a registered whole-scheduler replacement (``scheduler: {name: ...}``).
+
+    Subclasses implement the :class:`Scheduler` protocol; they are built with
+    their validated ``Params`` and the engine's :class:`BlockManager`.
+    """
+
+    name: ClassVar[str]
+    kind: ClassVar[str] = "scheduler"
+    Params: ClassVar[type] = NoParams
+
+    def __init__(self, params: object, blocks: BlockManager) -> None:
+        self.params = params
+        self.blocks = blocks
+
+
+class SchedulerStall(RuntimeError):
+    """The scheduler has work but planned nothing and nothing is running: it would spin forever."""

@@ -1,0 +1,115 @@
+"""One request's state as it moves through the engine."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from cbcore.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued, holds no KV blocks (new, or preempted by recompute)
+    RUNNING = "running"  # holds KV blocks in the device cache
+    SWAPPED = "swapped"  # preempted by swap: its KV lives in host memory
+    FINISHED = "finished"
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # EOS or a stop token
+    LENGTH = "length"  # max_new_tokens or the model's context length
+    ABORT = "abort"  # cancelled by the caller
+    ERROR = "error"  # the request could not be served (see Sequence.error)
+
+
+@dataclass
+class Sequence:
+    """The mutable state of one request.
+
+    ``token_ids`` holds prompt and generated tokens in one list because the
+    model sees them as one stream: after a recompute preemption the whole list
+    is prefilled again, and ``num_computed_tokens`` says how much of it is
+    already in the KV cache.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    client_id: str = "default"
+    arrival_time: float = field(default_factory=time.perf_counter)
+
+    token_ids: list[int] = field(init=False)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+
+    # Timestamps (time.perf_counter seconds) for the metrics.
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finish_time: float | None = None
+
+    generator: torch.Generator | None = field(default=None, repr=False)
+    logprobs: list[dict[int, float]] = field(default_factory=list, repr=False)
+    # Free-form per-sequence state that policies may keep (e.g. an MLFQ level).
+    policy_state: dict[str, object] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+        if self.params.seed is not None:
+            self.generator = torch.Generator(device="cpu")
+            self.generator.manual_seed(self.params.seed)
+
+    def __hash__(self) -> int:  # sequences are identities, kept in sets and dicts
+        return id(self)
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens whose KV is not yet computed (a whole prompt, a chunk's rest, or 1 when decoding)."""
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_pending_tokens > 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int, now: float) -> None:
+        self.token_ids.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.token_times.append(now)
+
+    def finish(self, reason: FinishReason, now: float, error: str | None = None) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.finish_time = now
+        self.error = error

@@ -1,0 +1,35 @@
+"""Per-step statistics: what was packed and where the time went."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StepStats:
+    step: int
+    num_seqs: int
+    num_tokens: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_preempted: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    schedule_s: float  # the scheduler's decision
+    prepare_s: float  # swaps and packing the FlatBatch
+    forward_s: float  # the model forward (attention included)
+    sample_s: float  # sampling, stop checks, bookkeeping, outputs
+
+    @property
+    def total_s(self) -> float:
+        return self.schedule_s + self.prepare_s + self.forward_s + self.sample_s
+
+    @property
+    def overhead_s(self) -> float:
+        """Everything that is not the model forward."""
+        return self.total_s - self.forward_s
+
+    @property
+    def is_mixed(self) -> bool:
+        """Prefill and decode tokens shared this step's forward."""
+        return self.num_prefill_tokens > 0 and self.num_decode_tokens > 0

@@ -1,0 +1,33 @@
+"""Equivalence testing: tiny models, the per-prompt reference, and the comparison.
+
+The contract (docs/equivalence.md): for float32 greedy decoding every
+request's tokens equal HF ``generate()`` on that prompt alone; the only
+tolerated difference is a genuine near-tie, where at the first divergent
+position the two candidates' logits differ by less than ``NEAR_TIE``.
+"""
+
+from __future__ import annotations
+
+from cbcore.testing.compare import (
+    NEAR_TIE,
+    Comparison,
+    EquivalenceReport,
+    assert_equivalent,
+    compare_greedy,
+    compare_topk,
+)
+from cbcore.testing.reference import reference_generate
+from cbcore.testing.tiny_models import TINY_FAMILIES, random_prompts, tiny_model
+
+__all__ = [
+    "NEAR_TIE",
+    "TINY_FAMILIES",
+    "Comparison",
+    "EquivalenceReport",
+    "assert_equivalent",
+    "compare_greedy",
+    "compare_topk",
+    "random_prompts",
+    "reference_generate",
+    "tiny_model",
+]

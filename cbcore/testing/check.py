@@ -1,0 +1,48 @@
+"""One call that runs an engine config against the per-prompt reference."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from typing import Any
+
+import torch
+
+from cbcore.config import EngineConfig
+from cbcore.engine import Engine
+from cbcore.sampling_params import SamplingParams
+from cbcore.testing.compare import EquivalenceReport, compare_greedy
+from cbcore.testing.reference import reference_generate
+from cbcore.testing.tiny_models import random_prompts, tiny_model
+
+
+def run_equivalence(
+    config: EngineConfig | dict[str, Any] | None = None,
+    *,
+    model: torch.nn.Module | None = None,
+    tokenizer: Any = None,
+    prompts: Seq[list[int] | str] | None = None,
+    max_new_tokens: int | Seq[int] = 32,
+    family: str = "llama",
+    ignore_eos: bool = False,
+    priorities: Seq[int] | None = None,
+    client_ids: Seq[str] | None = None,
+) -> EquivalenceReport:
+    """Run ``prompts`` through an engine built from ``config`` and through the reference.
+
+    Defaults give a self-contained check for a plugin author: a tiny random
+    ``family`` model and 16 random prompts of 1–64 tokens.
+    """
+    if not isinstance(config, EngineConfig):
+        config = EngineConfig.model_validate(config or {})
+    if model is None:
+        model = tiny_model(family)
+    if prompts is None:
+        prompts = random_prompts(16, 1, 64, seed=0)
+    ids = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+    caps = [max_new_tokens] * len(ids) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    references = reference_generate(model, ids, caps, ignore_eos=ignore_eos)
+    engine = Engine(model, tokenizer, config)
+    params = [SamplingParams(max_new_tokens=c, ignore_eos=ignore_eos) for c in caps]
+    outputs = engine.generate(ids, params, priorities=priorities, client_ids=client_ids)
+    report = compare_greedy(model, outputs, references)
+    return EquivalenceReport(report.comparisons, engine=engine)

@@ -1,0 +1,33 @@
+"""Built-in scheduling policies, registered through the same hook as any plugin."""
+
+from __future__ import annotations
+
+from cbcore.policies.chunked_prefill import ChunkedPrefill
+from cbcore.policies.fcfs import FCFS
+from cbcore.policies.preemption import Recompute, Swap
+from cbcore.policies.priority import Priority
+from cbcore.policies.static import Static
+from cbcore.policies.token_budget import TokenBudget
+from cbcore.policies.whole_prompt import WholePrompt
+
+from cbcore.plugins import hookimpl
+
+BUILTIN_POLICIES = [FCFS, Priority, TokenBudget, Static, WholePrompt, ChunkedPrefill, Recompute, Swap]
+
+
+@hookimpl
+def cbcore_register_policies() -> list[type]:
+    return list(BUILTIN_POLICIES)
+
+
+__all__ = [
+    "BUILTIN_POLICIES",
+    "FCFS",
+    "ChunkedPrefill",
+    "Priority",
+    "Recompute",
+    "Static",
+    "Swap",
+    "TokenBudget",
+    "WholePrompt",
+]
