@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 
@@ -15,23 +18,25 @@ PRIORITIES = [i % 3 for i in range(16)]
 CLIENTS = ["alice" if i % 3 else "bob" for i in range(16)]
 
 
+class LazyDict(dict):
+    """Builds a value on first access to its key."""
+
+    def __init__(self, make: Callable[[str], Any]) -> None:
+        super().__init__()
+        self.make = make
+
+    def __missing__(self, key: str) -> Any:
+        value = self[key] = self.make(key)
+        return value
+
+
 @pytest.fixture(scope="session")
 def models() -> dict[str, torch.nn.Module]:
-    cache: dict[str, torch.nn.Module] = {}
-
-    class _Models(dict):
-        def __missing__(self, family: str) -> torch.nn.Module:
-            cache[family] = self[family] = tiny_model(family)
-            return cache[family]
-
-    return _Models()
+    """Tiny random model per family (``models["llama"]``), shared by the session."""
+    return LazyDict(tiny_model)
 
 
 @pytest.fixture(scope="session")
 def references(models: dict[str, torch.nn.Module]) -> dict[str, list[ReferenceOutput]]:
-    class _Refs(dict):
-        def __missing__(self, family: str) -> list[ReferenceOutput]:
-            self[family] = reference_generate(models[family], PROMPTS, CAPS)
-            return self[family]
-
-    return _Refs()
+    """HF ``generate`` of PROMPTS/CAPS per family, computed once."""
+    return LazyDict(lambda family: reference_generate(models[family], PROMPTS, CAPS))
