@@ -35,3 +35,41 @@ def load_engine(config: EngineConfig) -> Any:
     from cbcore.engine import Engine
 
     return Engine.from_pretrained(config.model.path, config=config)
+
+
+# Short names accepted in `--policy a+b+c` for the built-in policies.
+POLICY_ALIASES = {
+    "chunked": "chunked-prefill",
+    "whole": "whole-prompt",
+    "budget": "token-budget",
+}
+
+
+def scheduler_from_mix(mix: str, plugins: tuple[str, ...] = ()) -> dict[str, Any]:
+    """``"priority+chunked+swap"`` -> a ``scheduler`` section with one policy per named slot.
+
+    Each ``+``-separated name (or alias) is looked up in the registry, which
+    says its kind; slots not named keep their defaults. Two names of one kind
+    are an error.
+    """
+    from cbcore.plugins import PluginError, get_registry
+
+    registry = get_registry(plugins)
+    section: dict[str, Any] = {}
+    for raw in mix.split("+"):
+        name = POLICY_ALIASES.get(raw.strip(), raw.strip())
+        if not name:
+            raise PluginError(f"--policy {mix!r}: empty policy name")
+        kinds = [e.kind for e in registry.entries() if e.name == name and e.kind != "backend"]
+        if not kinds:
+            known = sorted({e.name for e in registry.entries() if e.kind != "backend"} | set(POLICY_ALIASES))
+            raise PluginError(f"--policy {mix!r}: unknown policy {name!r}; known: {', '.join(known)}")
+        kind = kinds[0]
+        if kind == "scheduler":
+            if section:
+                raise PluginError(f"--policy {mix!r}: {name!r} replaces the whole scheduler; name it alone")
+            return {"name": name}
+        if kind in section:
+            raise PluginError(f"--policy {mix!r}: both {section[kind]['name']!r} and {name!r} are {kind} policies")
+        section[kind] = {"name": name}
+    return section
