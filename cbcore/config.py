@@ -47,6 +47,19 @@ class SchedulerConfig(BaseModel):
     name: str | None = None
     params: dict[str, Any] = Field(default_factory=dict)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _default_slot_names(cls, data: Any) -> Any:
+        """A slot given only parameters (``--set scheduler.prefill.chunk_size=32``) keeps its default policy."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for slot in ("queue", "budget", "prefill", "preemption"):
+            value = data.get(slot)
+            if isinstance(value, dict) and "name" not in value:
+                data[slot] = {"name": cls.model_fields[slot].default.name, **value}
+        return data
+
 
 class KVCacheConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -130,7 +143,20 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping at the top level")
+    plugins = data.get("plugins")
+    if isinstance(plugins, list):  # file paths are relative to the config file, like includes
+        data["plugins"] = [_relative_to(path.parent, p) for p in plugins]
     return data
+
+
+def _relative_to(base: Path, ref: Any) -> Any:
+    if (
+        isinstance(ref, str)
+        and (ref.endswith(".py") or "/" in ref)
+        and not Path(ref).expanduser().is_absolute()
+    ):
+        return str(base / ref)
+    return ref
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -161,6 +187,7 @@ def format_validation_error(exc: ValidationError) -> str:
     """One line per problem: ``key.path: message``."""
     lines = []
     for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"]) or "config"
-        lines.append(f"{loc}: {err['msg']}")
+        loc = ".".join(str(p) for p in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        lines.append(f"{loc}: {msg}" if loc else msg)
     return "; ".join(lines)

@@ -16,6 +16,7 @@ import functools
 import importlib
 import importlib.metadata
 import importlib.util
+import inspect
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,7 +88,7 @@ class Registry:
 
     def _collect(self) -> None:
         for hook in (self.pm.hook.cbcore_register_policies, self.pm.hook.cbcore_register_backends):
-            for impl in reversed(hook.get_hookimpls()):  # registration order
+            for impl in hook.get_hookimpls():  # registration order (pluggy calls them in reverse)
                 origin = self._origins[id(impl.plugin)]
                 for cls in impl.function() or []:
                     self._add_class(cls, origin)
@@ -95,13 +96,13 @@ class Registry:
     def _add_class(self, cls: type, origin: str) -> None:
         kind, name = _identity(cls, origin)
         key = (kind, name)
-        if key in self._entries and self._entries[key].cls is not cls:
+        if key in self._entries and not _same_class(self._entries[key].cls, cls):
             first = self._entries[key]
             raise PluginError(
                 f"two plugins claim {kind} {name!r}: {first.cls.__module__}.{first.cls.__qualname__} "
                 f"({first.origin}) and {cls.__module__}.{cls.__qualname__} ({origin})"
             )
-        self._entries[key] = Registered(cls, kind, name, origin)
+        self._entries.setdefault(key, Registered(cls, kind, name, origin))
 
     # -- lookup --------------------------------------------------------------
 
@@ -151,12 +152,47 @@ class Registry:
         return entry.cls(self.params_for(kind, name, params, where), *args)
 
 
+def _same_class(a: type, b: type) -> bool:
+    """One class, possibly imported twice (as an installed module and as a ``plugins:`` file)."""
+    if a is b:
+        return True
+    try:
+        same_file = Path(inspect.getfile(a)).resolve() == Path(inspect.getfile(b)).resolve()
+    except (TypeError, OSError):
+        return False
+    return same_file and a.__qualname__ == b.__qualname__
+
+
+def _base_classes() -> dict[str, type]:
+    from cbcore.backend import Backend
+    from cbcore.policy import POLICY_KINDS
+    from cbcore.scheduler import SchedulerPlugin
+
+    return {**POLICY_KINDS, "scheduler": SchedulerPlugin, "backend": Backend}
+
+
 def _identity(cls: type, origin: str) -> tuple[str, str]:
+    """Check that ``cls`` is a well-formed plugin class; return its (kind, name).
+
+    Checked at registration so that a malformed third-party class fails with
+    its own name and origin, not later inside the engine.
+    """
     kind = getattr(cls, "kind", None)
     name = getattr(cls, "name", None)
-    if kind not in KINDS or not isinstance(name, str) or not name:
+    if not isinstance(cls, type) or kind not in KINDS or not isinstance(name, str) or not name:
         raise PluginError(
             f"{cls!r} from {origin} is not a cbcore plugin: it needs a `name` and a `kind` in {KINDS}"
+        )
+    base = _base_classes()[kind]
+    if not issubclass(cls, base):
+        raise PluginError(
+            f"{cls.__module__}.{cls.__qualname__} ({origin}) declares kind {kind!r} "
+            f"but does not subclass {base.__module__}.{base.__qualname__}"
+        )
+    params = getattr(cls, "Params", None)
+    if not (isinstance(params, type) and issubclass(params, BaseModel)):
+        raise PluginError(
+            f"{cls.__module__}.{cls.__qualname__} ({origin}): `Params` must be a pydantic BaseModel class"
         )
     return kind, name
 

@@ -72,7 +72,7 @@ class SchedulerState:
 
     now: float
     step: int
-    waiting: Seq[SequenceView]
+    waiting: Seq[SequenceView]  # in the queue policy's order: the order admissions are tried
     running: Seq[SequenceView]
     swapped: Seq[SequenceView]
     kv: KVView
@@ -114,8 +114,9 @@ class QueuePolicy(Policy):
     """Orders sequences; the first in order is served first and evicted last."""
 
     kind: ClassVar[str] = "queue"
-    #: When True, a waiting sequence that cannot get KV blocks may preempt
-    #: running sequences the queue ranks strictly below it.
+    #: When True, a waiting sequence that finds no free slot or KV blocks may
+    #: preempt running sequences the queue ranks strictly below it (only when
+    #: evicting them can make room).
     preempts_running: bool = False
 
     def key(self, seq: SequenceView, now: float) -> Any:

@@ -1,18 +1,27 @@
 """The composed scheduler: one queue, budget, prefill and preemption policy.
 
-Each step runs three phases over the policies' answers (decode-first order;
-prefill-first swaps the phase order so new prompts are served first):
+Each step runs three phases over the policies' answers. In decode-first
+order they run as listed; prefill-first admits waiting prompts first, then
+serves the running sequences (prefills before decodes), then the swapped ones:
 
 1. running   — decodes and ongoing prefill chunks, in queue order; when the KV
                cache cannot grow, the preemption policy evicts a victim among
                the running sequences not yet scheduled this step (possibly the
                sequence itself, which then waits);
 2. swapped   — sequences evicted by swap come back before anything new starts;
-3. waiting   — admissions in queue order, while the budget allows, stopping at
-               the first that does not fit (no overtaking). A queue policy with
-               ``preempts_running`` may evict lower-ranked running sequences
-               to make room. Skipped in a step that had to preempt: memory is
-               tight and new work would only be evicted again.
+3. waiting   — admissions in queue order of those the budget policy admits,
+               stopping at the first that does not fit (no overtaking). A
+               queue policy with ``preempts_running`` may evict lower-ranked
+               running sequences to get a slot or KV blocks. Skipped while
+               anything is swapped out, and in a step that preempted or
+               swapped in: memory is tight and new work would only be
+               evicted again.
+
+Within one step every swap-out is planned before any swap-in. The runner
+copies out before it copies in, so this order is what makes it safe for a
+swap-in to reuse a device block that a swap-out of the same step just freed,
+and impossible for a swap-out to overwrite a host block that a swap-in of the
+same step still has to read.
 """
 
 from __future__ import annotations
@@ -44,7 +53,7 @@ class _StepPlan:
     tokens_left: int
     seqs_left: int
     tokens: dict[Sequence, int] = field(default_factory=dict)
-    partial: int = 0
+    partials: set[Sequence] = field(default_factory=set)  # chunks shorter than what was pending
 
     @property
     def empty(self) -> bool:
@@ -52,7 +61,7 @@ class _StepPlan:
 
     def add(self, seq: Sequence, n: int) -> None:
         if n < seq.num_pending_tokens:
-            self.partial += 1
+            self.partials.add(seq)
         self.out.scheduled.append(ScheduledSeq(seq, n))
         self.tokens[seq] = n
         self.tokens_left -= n
@@ -60,6 +69,7 @@ class _StepPlan:
 
     def unschedule(self, seq: Sequence) -> None:
         n = self.tokens.pop(seq)
+        self.partials.discard(seq)
         self.out.scheduled = [s for s in self.out.scheduled if s.seq is not seq]
         self.tokens_left += n
         self.seqs_left += 1
@@ -118,7 +128,7 @@ class PolicyScheduler:
         return SchedulerState(
             now=now,
             step=self.step_index,
-            waiting=tuple(self.waiting),
+            waiting=tuple(self.queue.order(self.waiting, now)),
             running=tuple(self.running),
             swapped=tuple(self.swapped),
             kv=self.blocks,
@@ -134,11 +144,12 @@ class PolicyScheduler:
         if self.prefill.order == "decode-first":
             phases = (self._schedule_running, self._schedule_swapped, self._schedule_waiting)
         else:
-            phases = (self._schedule_swapped, self._schedule_waiting, self._schedule_running)
+            phases = (self._schedule_waiting, self._schedule_running, self._schedule_swapped)
         for phase in phases:
             phase(plan, state, limits.max_num_seqs)
         out = plan.out
-        self.num_partial_prefills += plan.partial
+        self.num_partial_prefills += len(plan.partials)
+        _check_swap_order(out)
         if out.is_empty and not out.failed and not out.preempted and self.has_unfinished():
             raise SchedulerStall(
                 f"step {self.step_index}: nothing scheduled with {len(self.waiting)} waiting, "
@@ -212,15 +223,17 @@ class PolicyScheduler:
             plan.add(seq, n)
 
     def _schedule_waiting(self, plan: _StepPlan, state: SchedulerState, max_seqs: int) -> None:
-        if plan.out.preempted or self.swapped or not self.waiting:
+        if plan.out.preempted or plan.out.swap_in or self.swapped or not self.waiting:
             return
-        for seq in self.queue.order(self.waiting, state.now):
-            if plan.seqs_left <= 0 or plan.tokens_left <= 0 or len(self.running) >= max_seqs:
+        for seq in state.waiting:  # queue order; the list is unchanged when this phase runs
+            if plan.tokens_left <= 0:
                 break
-            if not self.budget.may_admit(seq, state):
-                break
+            if seq.status is not SequenceStatus.WAITING or not self.budget.may_admit(seq, state):
+                continue  # the budget's choice, not a lack of room: those behind may still fit
             n = self._tokens_for(seq, plan)
             if n <= 0:
+                break
+            if not self._has_slot(plan, max_seqs) and not self._take_slot(seq, n, plan, max_seqs, state.now):
                 break
             if not self.blocks.can_grow(seq, n) and not self._preempt_for(seq, n, plan, state.now):
                 if self.blocks.num_used_blocks == 0:  # alone in an empty cache and still too big
@@ -251,16 +264,47 @@ class PolicyScheduler:
         self.blocks.grow(seq, n)
         return True
 
+    def _has_slot(self, plan: _StepPlan, max_seqs: int) -> bool:
+        return plan.seqs_left > 0 and len(self.running) < max_seqs
+
+    def _take_slot(self, seq: Sequence, n: int, plan: _StepPlan, max_seqs: int, now: float) -> bool:
+        """Let a waiting ``seq`` evict running sequences its queue ranks below it when all slots are taken.
+
+        This is what makes a ranking preemptive (priority, MLFQ): without it a
+        request that outranks everything running still waits for a slot to end.
+        """
+        if not self.queue.preempts_running:
+            return False
+        lower = [r for r in self.running if self.queue.outranks(seq, r, now)]
+        if not self._could_fit(seq, n, lower):
+            return False
+        while lower and not self._has_slot(plan, max_seqs):
+            victim = self._choose_victim(lower, now)
+            lower.remove(victim)
+            self._preempt(victim, plan, now)
+        return self._has_slot(plan, max_seqs) and plan.tokens_left > 0
+
     def _preempt_for(self, seq: Sequence, n: int, plan: _StepPlan, now: float) -> bool:
         """Let a waiting ``seq`` evict running sequences its queue ranks below it."""
         if not self.queue.preempts_running:
             return False
+        lower = [r for r in self.running if self.queue.outranks(seq, r, now)]
+        if not self._could_fit(seq, n, lower):
+            return False
         while not self.blocks.can_grow(seq, n):
-            lower = [r for r in self.running if self.queue.outranks(seq, r, now)]
-            if not lower:
-                return False
-            self._preempt(self._choose_victim(lower, now), plan, now)
+            victim = self._choose_victim(lower, now)
+            lower.remove(victim)
+            self._preempt(victim, plan, now)
         return True
+
+    def _could_fit(self, seq: Sequence, n: int, evictable: list[Sequence]) -> bool:
+        """Whether evicting all of ``evictable`` would give ``seq`` its blocks.
+
+        Nobody is evicted otherwise: a preemption that cannot admit ``seq``
+        only destroys work.
+        """
+        freeable = self.blocks.num_free_blocks + sum(len(r.block_table) for r in evictable)
+        return freeable >= self.blocks.blocks_needed(seq, n)
 
     def _choose_victim(self, candidates: list[Sequence], now: float) -> Sequence:
         victim = self.preemption.choose_victim(candidates, self.queue, now)
@@ -328,3 +372,11 @@ class PolicyScheduler:
         self._by_id.pop(seq.request_id, None)
         for policy in self.policies:
             policy.on_finish(seq, now)
+
+
+def _check_swap_order(out: SchedulerOutput) -> None:
+    """Fail loudly if a plan would overwrite a host block before it is read back."""
+    if out.swap_in and out.swap_out:
+        reused = {h for h, _ in out.swap_in} & {h for _, h in out.swap_out}
+        if reused:
+            raise RuntimeError(f"scheduler bug: host blocks {sorted(reused)} swapped out and in in one step")

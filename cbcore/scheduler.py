@@ -15,6 +15,12 @@ from cbcore.sequence import Sequence
 class ScheduledSeq:
     seq: Sequence
     num_tokens: int  # pending tokens of this sequence that run this step
+    # Fixed when scheduled (the sequence changes after the step): one
+    # generated token being fed back, as opposed to prompt (or recomputed) tokens.
+    is_decode: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.is_decode = self.seq.num_pending_tokens == 1 and self.seq.num_output_tokens > 0
 
 
 @dataclass
@@ -33,7 +39,7 @@ class SchedulerOutput:
 
     @property
     def num_decode_tokens(self) -> int:
-        return sum(1 for s in self.scheduled if s.seq.num_pending_tokens == 1)
+        return sum(1 for s in self.scheduled if s.is_decode)
 
     @property
     def num_prefill_tokens(self) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from cbcore.plugins import hookimpl
 from cbcore.policies.chunked_prefill import ChunkedPrefill
 from cbcore.policies.fcfs import FCFS
 from cbcore.policies.preemption import Recompute, Swap
@@ -9,8 +10,6 @@ from cbcore.policies.priority import Priority
 from cbcore.policies.static import Static
 from cbcore.policies.token_budget import TokenBudget
 from cbcore.policies.whole_prompt import WholePrompt
-
-from cbcore.plugins import hookimpl
 
 BUILTIN_POLICIES = [FCFS, Priority, TokenBudget, Static, WholePrompt, ChunkedPrefill, Recompute, Swap]
 

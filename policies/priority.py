@@ -18,8 +18,8 @@ class PriorityParams(BaseModel):
     )
     preempt_running: bool = Field(
         True,
-        description="A waiting request that cannot get KV blocks may evict running requests "
-        "of strictly lower effective priority.",
+        description="A waiting request that finds no free slot or KV blocks may evict running "
+        "requests of strictly lower effective priority.",
     )
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
+
 from pydantic import BaseModel, ConfigDict, Field
 
-from cbcore.policy import BudgetPolicy, SchedulerState, SequenceView, StepLimits
+from cbcore.policy import BudgetPolicy, SchedulerState, SequenceView, StepLimits, StepResult
 
 
 class StaticParams(BaseModel):
@@ -15,12 +17,14 @@ class StaticParams(BaseModel):
 
 
 class Static(BudgetPolicy):
-    """Admit a wave of up to ``max_num_seqs`` requests, then nobody until all of it finished.
+    """Run a wave of up to ``max_num_seqs`` requests; the next wave starts when all of it finished.
 
-    The wave stays open while it is still filling (until a member has produced
-    its first token or the wave is full), so a wave whose prompts do not all fit
-    one step's token budget still forms as one wave. Members preempted by
-    recompute are re-admitted: they belong to the current wave.
+    A wave is picked, in queue order, from the requests waiting when the
+    previous wave has ended, and topped up with new arrivals only while none
+    of its members has produced a token (the prompts of a wave may take several
+    steps to prefill under the token budget; they are still one batch). Then it
+    is closed: nobody else is admitted until every member has finished. Members
+    preempted by recompute are re-admitted: they belong to the current wave.
     """
 
     name = "static"
@@ -29,27 +33,27 @@ class Static(BudgetPolicy):
     def __init__(self, params: StaticParams | None = None) -> None:
         super().__init__(params)
         self.wave: set[str] = set()
-        self.wave_open = True
+        self.closed = False
         self.waves_started = 0
 
     def limits(self, state: SchedulerState) -> StepLimits:
         if not self.wave:  # the whole previous wave has finished
-            self.wave_open = True
+            self.closed = False
+        if not self.closed:
+            if not self.wave and state.waiting:
+                self.waves_started += 1
+            for seq in state.waiting:
+                if len(self.wave) >= self.params.max_num_seqs:
+                    break
+                self.wave.add(seq.request_id)
         return StepLimits(self.params.max_num_seqs, self.params.max_num_batched_tokens)
 
     def may_admit(self, seq: SequenceView, state: SchedulerState) -> bool:
-        if seq.request_id in self.wave:
-            return True
-        if not self.wave_open or len(self.wave) >= self.params.max_num_seqs:
-            return False
-        if not self.wave:
-            self.waves_started += 1
-        self.wave.add(seq.request_id)
-        return True
+        return seq.request_id in self.wave
 
-    def on_step_end(self, results, now: float) -> None:
-        if any(r.new_token is not None for r in results if r.seq.request_id in self.wave):
-            self.wave_open = False
+    def on_step_end(self, results: Seq[StepResult], now: float) -> None:
+        if any(r.new_token is not None and r.seq.request_id in self.wave for r in results):
+            self.closed = True
 
     def on_finish(self, seq: SequenceView, now: float) -> None:
         self.wave.discard(seq.request_id)

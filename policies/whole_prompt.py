@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from cbcore.policy import PrefillPolicy, SequenceView
 
@@ -12,7 +12,11 @@ from cbcore.policy import PrefillPolicy, SequenceView
 class WholePromptParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    order: Literal["decode-first", "prefill-first"] = "decode-first"
+    order: Literal["decode-first", "prefill-first"] = Field(
+        "decode-first",
+        description="decode-first serves running decodes before admitting prompts; prefill-first "
+        "admits new prompts first (higher throughput, decodes may wait).",
+    )
 
 
 class WholePrompt(PrefillPolicy):

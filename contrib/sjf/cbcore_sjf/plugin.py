@@ -1,0 +1,11 @@
+"""The entry point cbcore loads (group ``cbcore``): registers the ``sjf`` queue policy."""
+
+from __future__ import annotations
+
+from cbcore.plugins import hookimpl
+from cbcore_sjf.policy import ShortestPredictedJobFirst
+
+
+@hookimpl
+def cbcore_register_policies() -> list[type]:
+    return [ShortestPredictedJobFirst]

@@ -1,0 +1,11 @@
+"""The entry point cbcore loads (group ``cbcore``): registers the ``vtc`` queue policy."""
+
+from __future__ import annotations
+
+from cbcore.plugins import hookimpl
+from cbcore_vtc.policy import VirtualTokenCounter
+
+
+@hookimpl
+def cbcore_register_policies() -> list[type]:
+    return [VirtualTokenCounter]

@@ -1,0 +1,223 @@
+"""Each built-in policy on its own, and the composed scheduler's guard rails."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from pydantic import ValidationError
+from test_scheduler_behaviour import FakeRun, budget
+
+from cbcore.policies import (
+    BUILTIN_POLICIES,
+    FCFS,
+    ChunkedPrefill,
+    Priority,
+    Recompute,
+    Static,
+    Swap,
+    TokenBudget,
+    WholePrompt,
+)
+from cbcore.policies.chunked_prefill import ChunkedPrefillParams
+from cbcore.policies.preemption import PreemptionParams, pick_victim
+from cbcore.policies.priority import PriorityParams
+from cbcore.policies.static import StaticParams
+from cbcore.policy import BudgetPolicy, PreemptionPolicy, SchedulerState, StepLimits
+from cbcore.scheduler import SchedulerStall
+from cbcore.sequence import FinishReason, SequenceStatus
+
+
+def view(
+    rid: str, *, arrival: float = 0.0, priority: int = 0, computed: int = 0, pending: int = 1
+) -> SimpleNamespace:
+    return SimpleNamespace(
+        request_id=rid,
+        arrival_time=arrival,
+        priority=priority,
+        num_computed_tokens=computed,
+        num_pending_tokens=pending,
+    )
+
+
+@pytest.mark.parametrize("cls", BUILTIN_POLICIES, ids=lambda c: c.name)
+def test_every_builtin_has_defaults_and_refuses_unknown_params(cls: type) -> None:
+    policy = cls()
+    assert policy.params == cls.Params()
+    assert cls.kind in ("queue", "budget", "prefill", "preemption")
+    with pytest.raises(ValidationError, match="Extra inputs are not permitted"):
+        cls.Params(not_a_param=1)
+
+
+# -- queue ---------------------------------------------------------------------------
+
+
+def test_fcfs_orders_by_arrival() -> None:
+    seqs = [view("c", arrival=3.0), view("a", arrival=1.0), view("b", arrival=2.0)]
+    assert [s.request_id for s in FCFS().order(seqs, now=10.0)] == ["a", "b", "c"]
+    assert FCFS().outranks(seqs[1], seqs[0], now=10.0)
+
+
+def test_priority_aging_lowers_the_effective_value_with_waiting_time() -> None:
+    aged = Priority(PriorityParams(aging_s=2.0))
+    old_low = view("old", arrival=0.0, priority=3)
+    new_high = view("new", arrival=9.0, priority=0)
+    assert aged.effective_priority(old_low, now=10.0) == pytest.approx(-2.0)
+    assert [s.request_id for s in aged.order([new_high, old_low], now=10.0)] == ["old", "new"]
+    assert [s.request_id for s in Priority().order([old_low, new_high], now=10.0)] == ["new", "old"]
+
+
+def test_priority_outranks_only_strictly() -> None:
+    prio = Priority()
+    a, b = view("a", arrival=0.0, priority=1), view("b", arrival=5.0, priority=1)
+    assert not prio.outranks(a, b, now=6.0) and not prio.outranks(b, a, now=6.0)
+    assert prio.preempts_running and not Priority(PriorityParams(preempt_running=False)).preempts_running
+
+
+# -- budget ------------------------------------------------------------------------------
+
+
+def state(waiting: tuple = ()) -> SchedulerState:
+    return SchedulerState(now=0.0, step=1, waiting=waiting, running=(), swapped=(), kv=None)  # type: ignore[arg-type]
+
+
+def test_token_budget_limits_come_from_params() -> None:
+    assert budget(3, 40).limits(state()) == StepLimits(3, 40)
+    assert TokenBudget().may_admit(view("x"), state())
+
+
+def test_static_forms_a_wave_in_queue_order_and_closes_it_on_the_first_token() -> None:
+    static = Static(StaticParams(max_num_seqs=2))
+    waiting = (view("a"), view("b"), view("c"))
+    static.limits(state(waiting))
+    assert static.wave == {"a", "b"} and static.waves_started == 1
+    assert not static.may_admit(waiting[2], state(waiting))
+    static.on_step_end([SimpleNamespace(seq=waiting[0], new_token=5)], now=1.0)
+    static.on_finish(waiting[0], now=1.0)
+    static.limits(state(waiting[1:]))  # b still runs: c may not join
+    assert static.wave == {"b"}
+    static.on_finish(waiting[1], now=2.0)
+    static.limits(state(waiting[2:]))
+    assert static.wave == {"c"} and static.waves_started == 2
+
+
+# -- prefill -----------------------------------------------------------------------------
+
+
+def test_chunked_prefill_fills_what_the_budget_leaves_within_chunk_size() -> None:
+    seq = view("s", pending=100)
+    assert ChunkedPrefill().num_tokens(seq, tokens_left=37, batch_empty=False) == 37
+    capped = ChunkedPrefill(ChunkedPrefillParams(chunk_size=16))
+    assert capped.num_tokens(seq, tokens_left=37, batch_empty=False) == 16
+    assert capped.num_tokens(view("t", pending=5), tokens_left=37, batch_empty=False) == 5
+
+
+def test_chunked_prefill_counts_long_prefills_per_step() -> None:
+    policy = ChunkedPrefill(ChunkedPrefillParams(long_prefill_threshold=10, max_long_prefills=2))
+    policy.begin_step()
+    counts = [policy.num_tokens(view(f"l{i}", pending=50), 100, False) for i in range(3)]
+    assert counts == [50, 50, 0]
+    assert policy.num_tokens(view("short", pending=8), 100, False) == 8
+    policy.begin_step()
+    assert policy.num_tokens(view("l2", pending=50), 100, False) == 50
+
+
+def test_whole_prompt_runs_whole_or_alone() -> None:
+    policy = WholePrompt()
+    assert policy.num_tokens(view("s", pending=30), tokens_left=30, batch_empty=False) == 30
+    assert policy.num_tokens(view("s", pending=31), tokens_left=30, batch_empty=False) == 0
+    assert policy.num_tokens(view("s", pending=99), tokens_left=30, batch_empty=True) == 99
+
+
+# -- preemption ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("rule", "victim"),
+    [
+        ("newest", "late"),
+        ("lowest-priority", "unimportant"),
+        ("least-progress", "fresh"),
+        ("queue-order", "late"),
+    ],
+)
+def test_victim_rules(rule: str, victim: str) -> None:
+    candidates = [
+        view("early", arrival=0.0, priority=1, computed=50),
+        view("unimportant", arrival=1.0, priority=9, computed=40),
+        view("fresh", arrival=2.0, priority=0, computed=3),
+        view("late", arrival=3.0, priority=1, computed=20),
+    ]
+    assert pick_victim(rule, candidates, FCFS(), now=5.0).request_id == victim  # type: ignore[arg-type]
+    assert Recompute(PreemptionParams(victim=rule)).mode == "recompute"
+    assert Swap(PreemptionParams(victim=rule)).mode == "swap"
+
+
+# -- the composed scheduler's guard rails -------------------------------------------------
+
+
+class AdmitsNobody(BudgetPolicy):
+    name = "admits-nobody"
+
+    def limits(self, state: SchedulerState) -> StepLimits:
+        return StepLimits(4, 64)
+
+    def may_admit(self, seq, state) -> bool:  # type: ignore[no-untyped-def]
+        return False
+
+
+def test_a_step_that_plans_nothing_with_work_left_raises_a_stall_naming_the_policies() -> None:
+    run = FakeRun(budget=AdmitsNobody())
+    run.add("r", 4)
+    with pytest.raises(SchedulerStall, match=r"1 waiting.*admits-nobody"):
+        run.step()
+
+
+class PicksAStranger(PreemptionPolicy):
+    name = "picks-a-stranger"
+
+    def choose_victim(self, candidates, queue, now):  # type: ignore[no-untyped-def]
+        return view("stranger")
+
+
+def test_a_victim_outside_the_candidates_is_refused() -> None:
+    run = FakeRun(preemption=PicksAStranger(), num_blocks=4)
+    run.add("a", 6, 20)
+    run.add("b", 6, 20)
+    with pytest.raises(RuntimeError, match=r"picks-a-stranger.*'stranger'.*not among the candidates"):
+        run.run()
+
+
+def test_a_request_that_outgrows_the_whole_cache_fails_with_sizes() -> None:
+    run = FakeRun(num_blocks=3)  # 12 tokens: the prompt fits, its output cannot
+    seq = run.add("big", 8, 10)
+    run.run()
+    assert seq.finish_reason is FinishReason.ERROR
+    assert "needs 4 KV blocks for 13 tokens but the cache has 3 blocks of 4" in seq.error
+    assert run.blocks.num_free_blocks == 3
+
+
+def test_duplicate_request_ids_are_refused() -> None:
+    run = FakeRun()
+    run.add("same", 4)
+    with pytest.raises(ValueError, match="'same' is already in the scheduler"):
+        run.add("same", 4)
+
+
+@pytest.mark.parametrize("where", ["waiting", "running", "swapped"])
+def test_abort_frees_everything_wherever_the_request_is(where: str) -> None:
+    run = FakeRun(preemption=Swap(), num_blocks=6, host_blocks=8, budget=budget(max_seqs=1))
+    a = run.add("a", 8, 30)
+    if where != "waiting":
+        run.step()
+    if where == "swapped":
+        run.add("urgent", 8, 2)
+        a.priority = 5
+        run.sched.queue = Priority()
+        run.step()
+        assert a.status is SequenceStatus.SWAPPED
+    run.sched.abort("a")
+    assert a.finish_reason is FinishReason.ABORT
+    assert run.blocks.num_free_host_blocks == 8
+    run.run()
+    assert run.blocks.num_free_blocks == 6
