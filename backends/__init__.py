@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from cbcore.backends.eager import EagerBackend
-
+from cbcore.backends.flash_varlen import FlashVarlenBackend
+from cbcore.backends.sdpa import SdpaBackend
 from cbcore.plugins import hookimpl
 
-BUILTIN_BACKENDS: list[type] = [EagerBackend]
+BUILTIN_BACKENDS: list[type] = [EagerBackend, SdpaBackend, FlashVarlenBackend]
 
 
 @hookimpl
@@ -14,4 +15,4 @@ def cbcore_register_backends() -> list[type]:
     return list(BUILTIN_BACKENDS)
 
 
-__all__ = ["BUILTIN_BACKENDS", "EagerBackend"]
+__all__ = ["BUILTIN_BACKENDS", "EagerBackend", "FlashVarlenBackend", "SdpaBackend"]

@@ -1,0 +1,225 @@
+"""SDPA backend: torch's fused attention kernel, run per sequence over the paged cache.
+
+Eager scores every query against every gathered key and masks most of the
+result away (work O(T x K)). Here each sequence only meets its own keys:
+
+- decode rows (one query each) are batched as ``[B, kv_heads, group, D]``
+  against their own keys, right-padded to the longest, with a key-padding
+  mask ``[B, 1, 1, L]``; the query heads that share a KV head ride in the
+  query-length axis, so K/V are never repeated and no ``T x K`` mask exists;
+- prefill and chunk rows run one sequence at a time. A whole prompt with no
+  prior context is the square causal case (``is_causal=True``, no mask); a
+  chunk after earlier context needs the causal diagonal aligned to the bottom
+  right (SDPA's ``is_causal`` is top-left aligned), so it gets a small
+  ``[q, k]`` mask of its own.
+
+With a sliding window ``W`` a query at position ``i`` sees keys ``j`` with
+``i - W < j <= i``, and keys that no query of the step can see are not even
+gathered. The plan (slots, masks) is built once per step on the first layer
+and cached in ``batch.scratch``; every layer only gathers its own K/V.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from cbcore.backend import Backend
+from cbcore.batch import FlatBatch
+from cbcore.kv_cache import KVCache
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """All single-token rows of a step, batched."""
+
+    rows: torch.Tensor | None  # [B] rows of T (None: every row, in order)
+    slots: torch.Tensor  # [B, L] cache slots of each row's visible keys, right-padded
+    mask: torch.Tensor | None  # [B, 1, 1, L] additive key-padding mask; None: no padding
+
+
+@dataclass(frozen=True)
+class SpanPlan:
+    """One sequence running several query tokens this step (a prompt or a chunk of one)."""
+
+    q_start: int  # its rows in T: [q_start, q_end)
+    q_end: int
+    fresh: bool  # every visible key was computed this step: read them from k/v, not the cache
+    slots: torch.Tensor | None  # [n_keys] cache slots of its visible keys (None when fresh)
+    mask: torch.Tensor | None  # [q, n_keys] additive; None: square causal (is_causal=True)
+
+
+@dataclass(frozen=True)
+class SdpaPlan:
+    decode: DecodePlan | None
+    spans: list[SpanPlan]
+
+
+def visible_key_range(context_len: int, query_len: int, sliding_window: int | None) -> tuple[int, int]:
+    """First and one-past-last key position that any query of this sequence may see this step."""
+    first_query = context_len - query_len
+    if sliding_window is None:
+        return 0, context_len
+    return max(0, first_query - sliding_window + 1), context_len
+
+
+def _slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Cache slots of ``positions`` (``[..., n]``) through block table rows (``[..., max_blocks]``)."""
+    return torch.gather(block_table, -1, positions // block_size) * block_size + positions % block_size
+
+
+def build_decode_plan(
+    batch: FlatBatch, seq_ids: list[int], sliding_window: int | None, dtype: torch.dtype
+) -> DecodePlan:
+    """Right-padded key slots per single-token row, and the padding mask if lengths differ.
+
+    The mask is additive and already in the query dtype: SDPA would convert a
+    boolean mask on every call, this one is built once and used by every layer.
+    """
+    device = batch.device
+    starts, counts = [], []
+    for i in seq_ids:
+        lo, hi = visible_key_range(batch.context_lens[i], 1, sliding_window)
+        starts.append(lo)
+        counts.append(hi - lo)
+    width = max(counts)
+    offsets = torch.arange(width, device=device)
+    start = torch.tensor(starts, device=device)[:, None]
+    count = torch.tensor(counts, device=device)[:, None]
+    valid = offsets[None, :] < count
+    # Padding reuses the row's first key: a real slot, masked out below.
+    positions = start + torch.where(valid, offsets[None, :], 0)
+    tables = batch.block_tables.long()[torch.tensor(seq_ids, device=device)]
+    slots = _slots(tables, positions, batch.block_size)
+    mask = None
+    if min(counts) != width:
+        mask = torch.zeros(valid.shape, dtype=dtype, device=device)
+        mask.masked_fill_(~valid, float("-inf"))
+        mask = mask[:, None, None, :]
+    rows = None
+    if len(seq_ids) != batch.num_seqs:
+        rows = batch.cu_seqlens_q.long()[torch.tensor(seq_ids, device=device)]
+    return DecodePlan(rows, slots, mask)
+
+
+def build_span_plan(
+    batch: FlatBatch, i: int, q_start: int, sliding_window: int | None, dtype: torch.dtype
+) -> SpanPlan:
+    """Sequence ``i`` running several queries: which keys to read, and a mask unless plain causal."""
+    device = batch.device
+    q_len, ctx = batch.query_lens[i], batch.context_lens[i]
+    first_query = ctx - q_len
+    lo, hi = visible_key_range(ctx, q_len, sliding_window)
+    fresh = first_query == 0
+    slots = None
+    if not fresh:
+        positions = torch.arange(lo, hi, device=device)
+        slots = _slots(batch.block_tables.long()[i], positions, batch.block_size)
+    windowed = sliding_window is not None and sliding_window < ctx
+    mask = None
+    if not fresh or windowed:
+        q_pos = torch.arange(first_query, ctx, device=device)[:, None]
+        k_pos = torch.arange(lo, hi, device=device)[None, :]
+        allowed = k_pos <= q_pos
+        if sliding_window is not None:
+            allowed &= q_pos - k_pos < sliding_window
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+        mask.masked_fill_(~allowed, float("-inf"))
+    return SpanPlan(q_start, q_start + q_len, fresh, slots, mask)
+
+
+def build_plan(batch: FlatBatch, sliding_window: int | None, dtype: torch.dtype) -> SdpaPlan:
+    """Everything about a step's attention layout that every layer shares."""
+    decode_ids = [i for i, q in enumerate(batch.query_lens) if q == 1]
+    decode = build_decode_plan(batch, decode_ids, sliding_window, dtype) if decode_ids else None
+    spans = []
+    q_start = 0
+    for i, q_len in enumerate(batch.query_lens):
+        if q_len > 1:
+            spans.append(build_span_plan(batch, i, q_start, sliding_window, dtype))
+        q_start += q_len
+    return SdpaPlan(decode, spans)
+
+
+class SdpaBackend(Backend):
+    """``scaled_dot_product_attention`` per sequence; work ∝ Σ q_len x own keys."""
+
+    name = "sdpa"
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        layer_idx: int,
+        batch: FlatBatch,
+        kv_cache: KVCache,
+        scaling: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        plan = self.plan(batch, sliding_window, query.dtype)
+        k_pool, v_pool = kv_cache.k[layer_idx], kv_cache.v[layer_idx]  # [slots, Hkv, D]
+        if plan.decode is not None and plan.decode.rows is None:
+            return self._decode(query, k_pool, v_pool, plan.decode, scaling)
+        out = torch.empty_like(query)
+        if plan.decode is not None:
+            rows = plan.decode.rows
+            decoded = self._decode(query.index_select(0, rows), k_pool, v_pool, plan.decode, scaling)
+            out.index_copy_(0, rows, decoded)
+        for span in plan.spans:
+            out[span.q_start : span.q_end] = self._span(query, key, value, k_pool, v_pool, span, scaling)
+        return out
+
+    @staticmethod
+    def plan(batch: FlatBatch, sliding_window: int | None, dtype: torch.dtype) -> SdpaPlan:
+        key = ("sdpa", sliding_window, dtype)
+        plan = batch.scratch.get(key)
+        if plan is None:
+            plan = batch.scratch[key] = build_plan(batch, sliding_window, dtype)
+        return plan
+
+    @staticmethod
+    def _decode(
+        query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: DecodePlan, scaling: float
+    ) -> torch.Tensor:
+        num_rows, num_heads, head_dim = query.shape
+        num_kv_heads = k_pool.shape[1]
+        # [B, Hkv, G, D]: the group's query heads share one KV head's keys and one mask row.
+        q = query.reshape(num_rows, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        flat = plan.slots.view(-1)
+        shape = (num_rows, plan.slots.shape[1], num_kv_heads, head_dim)
+        k = k_pool.index_select(0, flat).view(shape).transpose(1, 2)  # [B, Hkv, L, D]
+        v = v_pool.index_select(0, flat).view(shape).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.mask, scale=scaling)
+        return out.reshape(num_rows, num_heads, head_dim)
+
+    @staticmethod
+    def _span(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        span: SpanPlan,
+        scaling: float,
+    ) -> torch.Tensor:
+        rows = slice(span.q_start, span.q_end)
+        if span.fresh:
+            k, v = key[rows], value[rows]
+        else:
+            k, v = k_pool.index_select(0, span.slots), v_pool.index_select(0, span.slots)
+        q = query[rows].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
+        k = k.transpose(0, 1).unsqueeze(0)  # [1, Hkv, n_keys, D]
+        v = v.transpose(0, 1).unsqueeze(0)
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=span.mask,
+            is_causal=span.mask is None,
+            scale=scaling,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+        return out[0].transpose(0, 1)
