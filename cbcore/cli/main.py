@@ -49,10 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="cb", description="cbcore: continuous-batching inference with pluggable policies and backends"
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    common = common_parser()
     for name in COMMANDS:
         module = importlib.import_module(f"cbcore.cli.{name}")
-        module.register(sub, common)
+        # A fresh parent per subcommand: argparse shares parent actions by
+        # reference, so one subcommand overriding a flag must not change the others.
+        module.register(sub, common_parser())
     return parser
 
 

@@ -72,7 +72,7 @@ class EquivalenceReport:
         return sum(not c.ok for c in self.comparisons)
 
     def table(self) -> str:
-        width = max((len(c.request_id) for c in self.comparisons), default=2)
+        width = max([len("request")] + [len(c.request_id) for c in self.comparisons])
         lines = [f"{'#':>3}  {'request':<{width}}  result"]
         for c in self.comparisons:
             lines.append(f"{c.index:>3}  {c.request_id:<{width}}  {c.describe()}")

@@ -1,4 +1,4 @@
-"""pytest plugin (entry point ``pytest11``): the ``cb_equivalence`` fixture.
+"""pytest plugin (entry point ``pytest11``): equivalence and tiny-checkpoint fixtures.
 
 A plugin author's whole equivalence test::
 
@@ -9,6 +9,7 @@ A plugin author's whole equivalence test::
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -31,3 +32,11 @@ def cb_equivalence() -> Callable[..., EquivalenceReport]:
         return report
 
     return check
+
+
+@pytest.fixture(scope="session")
+def cb_tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama checkpoint directory with a byte-level tokenizer, for ``--model``."""
+    from cbcore.testing.tiny_tokenizer import save_tiny_model_dir
+
+    return save_tiny_model_dir(tmp_path_factory.mktemp("cb-tiny-model"), "llama")

@@ -1,0 +1,187 @@
+"""`cb generate` on a tiny model directory: JSONL in and out, streaming, and bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from cbcore.cli.main import main
+from cbcore.cli.stream_util import IncrementalDetokenizer, OrderedStream
+from cbcore.testing import reference_generate
+from cbcore.testing.tiny_tokenizer import tiny_tokenizer
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def records(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def write_jsonl(path: Path, *lines: object) -> Path:
+    path.write_text("\n".join(line if isinstance(line, str) else json.dumps(line) for line in lines) + "\n")
+    return path
+
+
+def test_prompts_give_the_per_prompt_reference_tokens(cb_tiny_model_dir, capsys):
+    code, out, _ = run_cli(
+        capsys,
+        "generate",
+        "--model",
+        str(cb_tiny_model_dir),
+        "The capital of France is",
+        "café 日本",
+        "--max-new-tokens",
+        "7",
+    )
+    assert code == 0
+    got = records(out)
+    assert [r["id"] for r in got] == ["prompt-1", "prompt-2"]
+    model = AutoModelForCausalLM.from_pretrained(cb_tiny_model_dir)
+    tok = AutoTokenizer.from_pretrained(cb_tiny_model_dir)
+    prompts = [tok.encode("The capital of France is"), tok.encode("café 日本")]
+    refs = reference_generate(model, prompts, 7)
+    for rec, ref, prompt in zip(got, refs, prompts, strict=True):
+        assert rec["token_ids"] == ref.token_ids
+        assert rec["prompt_tokens"] == len(prompt)
+        assert rec["text"] == tok.decode(ref.token_ids, skip_special_tokens=True)
+        assert rec["finish_reason"] in ("length", "stop")
+
+
+def test_jsonl_input_chat_template_and_per_request_params(cb_tiny_model_dir, tmp_path, capsys):
+    messages = [{"role": "user", "content": "Hi there"}]
+    src = write_jsonl(
+        tmp_path / "in.jsonl",
+        {"prompt": "Once upon a time", "max_new_tokens": 3, "id": "plain"},
+        "",
+        {"messages": messages, "max_new_tokens": 5, "priority": 1, "client_id": "bob"},
+        {"prompt": "Once upon a time", "temperature": 0.9, "top_k": 50, "seed": 7, "id": "s1"},
+        {"prompt": "Once upon a time", "temperature": 0.9, "top_k": 50, "seed": 7, "id": "s2"},
+    )
+    out_file = tmp_path / "out.jsonl"
+    code, out, _ = run_cli(
+        capsys,
+        "generate",
+        "--model",
+        str(cb_tiny_model_dir),
+        "-i",
+        str(src),
+        "-o",
+        str(out_file),
+        "--max-new-tokens",
+        "6",
+    )
+    assert code == 0 and out == ""
+    got = {r["id"]: r for r in records(out_file.read_text())}
+    assert list(got) == ["plain", "line-3", "s1", "s2"]  # input order; default ids name the line
+    assert got["plain"]["output_tokens"] == 3 or got["plain"]["finish_reason"] == "stop"
+    tok = AutoTokenizer.from_pretrained(cb_tiny_model_dir)
+    templated = tok.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    assert got["line-3"]["prompt_tokens"] == len(templated)
+    # Each request owns its generator: the same seed gives the same sample whatever else ran.
+    assert got["s1"]["token_ids"] == got["s2"]["token_ids"]
+
+
+def test_malformed_lines_are_reported_by_number_and_the_rest_still_runs(cb_tiny_model_dir, tmp_path, capsys):
+    src = write_jsonl(
+        tmp_path / "in.jsonl",
+        {"prompt": "good one", "max_new_tokens": 2},
+        '{"prompt": "broken',
+        {"prompt": "typo", "max_tokens": 3},
+        {"prompt": "greedy", "top_k": 5},
+        {"prompt": "good two", "max_new_tokens": 2},
+        {"prompt": "x", "messages": [{"role": "user", "content": "y"}]},
+        [1, 2],
+    )
+    code, out, err = run_cli(capsys, "generate", "--model", str(cb_tiny_model_dir), "--input", str(src))
+    assert code == 1
+    assert [r["id"] for r in records(out)] == ["line-1", "line-5"]
+    lines = err.strip().splitlines()
+    assert len(lines) == 5
+    assert all(line.startswith(f"cb: error: {src}:") for line in lines)
+    assert f"{src}:2: not valid JSON" in err
+    assert f"{src}:3: max_tokens: Extra inputs are not permitted" in err
+    assert f"{src}:4: top_k/top_p only apply when temperature > 0" in err
+    assert f"{src}:6: give exactly one of 'prompt' or 'messages'" in err
+    assert f"{src}:7: expected a JSON object" in err
+    assert "Traceback" not in err
+
+
+def test_stream_prints_the_texts_in_order(cb_tiny_model_dir, capsys):
+    code, out, _ = run_cli(
+        capsys,
+        "generate",
+        "--model",
+        str(cb_tiny_model_dir),
+        "--stream",
+        "hello",
+        "café 日本",
+        "--max-new-tokens",
+        "9",
+    )
+    assert code == 0
+    code, plain, _ = run_cli(
+        capsys, "generate", "--model", str(cb_tiny_model_dir), "hello", "café 日本", "--max-new-tokens", "9"
+    )
+    texts = [r["text"] for r in records(plain)]
+    assert out == f"[prompt-1] {texts[0]}\n[prompt-2] {texts[1]}\n"
+
+
+def test_incremental_detokenizer_handles_multibyte_characters():
+    tok = tiny_tokenizer()
+    text = "Größe ✓ 中文 😀 café naïve the end"  # mostly characters the tokenizer never merged
+    ids = tok.encode(text)
+    detok = IncrementalDetokenizer(tok)
+    pieces = [detok.push([i]) for i in ids]
+    pieces.append(detok.flush())
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in p for p in pieces)  # no half characters ever shown
+    assert sum(1 for p in pieces if p) < len(ids)  # some tokens were partial characters, held back
+
+
+def test_ordered_stream_buffers_later_requests(capsys):
+    import io
+
+    tok = tiny_tokenizer()
+    sink = io.StringIO()
+    stream = OrderedStream(tok, ["a", "b"], {"a": "<a> ", "b": "<b> "}, sink)
+    stream.update("b", tok.encode("second"), finished=True)
+    assert sink.getvalue() == "<a> "  # b waits until a is done
+    stream.update("a", tok.encode("first"), finished=False)
+    assert sink.getvalue() == "<a> first"
+    stream.update("a", [], finished=True)
+    assert sink.getvalue() == "<a> first\n<b> second\n"
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--model", "/no/such/model"], "model path /no/such/model does not exist"),
+        (["--set", "kv_cache.bogus=1"], "kv_cache.bogus: Extra inputs are not permitted"),
+        (["--output", "/no/such/dir/out.jsonl"], "cannot write --output /no/such/dir/out.jsonl"),
+        (["--policy", "fcfs+nonsense"], "unknown policy 'nonsense'"),
+        ([], "give prompts as arguments or a JSONL file"),
+        (["--input", "/no/such/prompts.jsonl"], "cannot read /no/such/prompts.jsonl"),
+    ],
+)
+def test_bad_input_is_one_clear_line(cb_tiny_model_dir, capsys, argv, needle):
+    base = ["generate"] if "--model" in argv else ["generate", "--model", str(cb_tiny_model_dir)]
+    prompt = [] if not argv or "--input" in argv else ["hi"]
+    code, out, err = run_cli(capsys, *base, *argv, *prompt)
+    assert code == 2
+    assert out == ""
+    assert err.count("\n") == 1 and err.startswith("cb: error: ")
+    assert needle in err
+
+
+def test_debug_log_level_shows_the_traceback(capsys):
+    with pytest.raises(Exception, match="does not exist"):
+        main(["generate", "--model", "/no/such/model", "--log-level", "debug", "hi"])
