@@ -51,6 +51,11 @@ class BlockManager:
         total = self.blocks_for_tokens(seq.num_computed_tokens + num_new_tokens)
         return max(0, total - len(seq.block_table))
 
+    def needing_a_block(self, decodes: list[Sequence]) -> list[Sequence]:
+        """Those of ``decodes`` whose next token starts a new block (their cache is full)."""
+        size = self.block_size
+        return [s for s in decodes if s.num_computed_tokens >= len(s.block_table) * size]
+
     def can_grow(self, seq: Sequence, num_new_tokens: int) -> bool:
         return self.blocks_needed(seq, num_new_tokens) <= len(self._free)
 
@@ -61,15 +66,22 @@ class BlockManager:
 
     def grow(self, seq: Sequence, num_new_tokens: int) -> None:
         """Append blocks so that ``num_new_tokens`` more tokens of ``seq`` fit."""
-        needed = self.blocks_needed(seq, num_new_tokens)
-        if needed > len(self._free):
+        if not self.try_grow(seq, num_new_tokens):
+            needed = self.blocks_needed(seq, num_new_tokens)
             raise MemoryError(
                 f"request {seq.request_id!r} needs {needed} KV blocks, {len(self._free)} are free"
             )
+
+    def try_grow(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """:meth:`grow` if the blocks are free, else nothing; one check instead of two on the hot path."""
+        needed = self.blocks_needed(seq, num_new_tokens)
+        if needed > len(self._free):
+            return False
         for _ in range(needed):
             block = self._free.pop()
             self._owner[block] = seq.request_id
             seq.block_table.append(block)
+        return True
 
     def free(self, seq: Sequence) -> None:
         """Return every device block of ``seq`` to the pool."""

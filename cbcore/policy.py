@@ -118,6 +118,12 @@ class QueuePolicy(Policy):
     #: preempt running sequences the queue ranks strictly below it (only when
     #: evicting them can make room).
     preempts_running: bool = False
+    #: When True, ``key(seq, now)`` never changes once ``seq`` has arrived (it
+    #: depends on neither ``now`` nor what was served). The scheduler then
+    #: computes each key once, at arrival, and sorts by the stored keys instead
+    #: of calling :meth:`order`: ordering a thousand waiting requests every step
+    #: would otherwise cost more than the rest of the step.
+    fixed_keys: bool = False
 
     def key(self, seq: SequenceView, now: float) -> Any:
         """Sort key; smaller is served first. Override this or :meth:`order`."""

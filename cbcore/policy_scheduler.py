@@ -26,10 +26,12 @@ same step still has to read.
 
 from __future__ import annotations
 
+import bisect
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from typing import Any
 
 from cbcore.block_manager import BlockManager
 from cbcore.log import get_logger
@@ -67,12 +69,46 @@ class _StepPlan:
         self.tokens_left -= n
         self.seqs_left -= 1
 
+    def add_decodes(self, seqs: list[Sequence]) -> None:
+        self.out.scheduled.extend([ScheduledSeq(seq, 1) for seq in seqs])
+        self.tokens.update(dict.fromkeys(seqs, 1))
+        self.tokens_left -= len(seqs)
+        self.seqs_left -= len(seqs)
+
     def unschedule(self, seq: Sequence) -> None:
         n = self.tokens.pop(seq)
         self.partials.discard(seq)
         self.out.scheduled = [s for s in self.out.scheduled if s.seq is not seq]
         self.tokens_left += n
         self.seqs_left += 1
+
+
+class _OrderedOnDemand(Seq[Sequence]):
+    """The waiting queue in queue order, sorted on first use.
+
+    Most steps with every slot taken never look at the waiting queue, and
+    sorting a long one with a time-dependent key (aging) would cost more than
+    the rest of the step.
+    """
+
+    def __init__(self, order: Callable[[], list[Sequence]]) -> None:
+        self._order = order
+        self._items: list[Sequence] | None = None
+
+    @property
+    def items(self) -> list[Sequence]:
+        if self._items is None:
+            self._items = self._order()
+        return self._items
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.items[index]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __iter__(self) -> Iterator[Sequence]:
+        return iter(self.items)
 
 
 class PolicyScheduler:
@@ -97,6 +133,7 @@ class PolicyScheduler:
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
         self._by_id: dict[str, Sequence] = {}
+        self._keys: dict[Sequence, Any] = {}  # stored queue keys, when the queue has fixed_keys
         self.step_index = 0
         self.num_preemptions = 0
         self.num_swap_fallbacks = 0
@@ -112,11 +149,12 @@ class PolicyScheduler:
         if seq.request_id in self._by_id:
             raise ValueError(f"request id {seq.request_id!r} is already in the scheduler")
         self._by_id[seq.request_id] = seq
-        seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
         now = self.clock()
         for policy in self.policies:
             policy.on_arrival(seq, now)
+        if self.queue.fixed_keys:
+            self._keys[seq] = self.queue.key(seq, now)
+        self._enqueue(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -124,11 +162,29 @@ class PolicyScheduler:
     def get(self, request_id: str) -> Sequence | None:
         return self._by_id.get(request_id)
 
+    def in_queue_order(self, seqs: Seq[Sequence], now: float) -> list[Sequence]:
+        if self.queue.fixed_keys:
+            return sorted(seqs, key=self._keys.__getitem__)
+        return self.queue.order(seqs, now)  # type: ignore[return-value]
+
+    def _enqueue(self, seq: Sequence) -> None:
+        """Into the waiting queue; kept sorted when keys are fixed, so a step need not sort it."""
+        seq.status = SequenceStatus.WAITING
+        if self.queue.fixed_keys:
+            bisect.insort(self.waiting, seq, key=self._keys.__getitem__)
+        else:
+            self.waiting.append(seq)
+
     def state(self, now: float) -> SchedulerState:
+        waiting = list(self.waiting)
+        if self.queue.fixed_keys:
+            ordered = _OrderedOnDemand(lambda: waiting)
+        else:
+            ordered = _OrderedOnDemand(lambda: self.queue.order(waiting, now))  # type: ignore[arg-type,return-value]
         return SchedulerState(
             now=now,
             step=self.step_index,
-            waiting=tuple(self.queue.order(self.waiting, now)),
+            waiting=ordered,
             running=tuple(self.running),
             swapped=tuple(self.swapped),
             kv=self.blocks,
@@ -190,24 +246,43 @@ class PolicyScheduler:
         return max(0, min(n, seq.num_pending_tokens))
 
     def _schedule_running(self, plan: _StepPlan, state: SchedulerState, max_seqs: int) -> None:
-        order = self.queue.order(self.running, state.now)
-        # Stable sort: keep queue order within decodes and within prefills.
-        decode_first = self.prefill.order == "decode-first"
-        order.sort(key=lambda s: s.is_prefilling if decode_first else not s.is_prefilling)
+        order = [s for s in self.in_queue_order(self.running, state.now) if s not in plan.tokens]
+        # Queue order within decodes and within prefills.
+        decodes: list[Sequence] = []
+        prefills: list[Sequence] = []
         for seq in order:
-            if seq.status is not SequenceStatus.RUNNING or seq in plan.tokens:
-                continue  # evicted as a victim earlier in this loop
-            if plan.seqs_left <= 0 or plan.tokens_left <= 0:
-                break
-            n = self._tokens_for(seq, plan)
-            if n > 0 and self._make_room(seq, n, plan, state.now):
-                plan.add(seq, n)
+            (prefills if seq.is_prefilling else decodes).append(seq)
+        groups = (decodes, prefills) if self.prefill.order == "decode-first" else (prefills, decodes)
+        for group in groups:
+            if group is decodes and self._schedule_all_decodes(decodes, plan):
+                continue
+            for seq in group:
+                if seq.status is not SequenceStatus.RUNNING or seq in plan.tokens:
+                    continue  # evicted as a victim earlier in this loop
+                if plan.seqs_left <= 0 or plan.tokens_left <= 0:
+                    break
+                n = self._tokens_for(seq, plan)
+                if n > 0 and self._make_room(seq, n, plan, state.now):
+                    plan.add(seq, n)
+
+    def _schedule_all_decodes(self, decodes: list[Sequence], plan: _StepPlan) -> bool:
+        """Schedule every decode at once if all of them fit: the common step, without
+        the per-sequence eviction checks (same plan and block ids as the loop would give)."""
+        if len(decodes) > min(plan.seqs_left, plan.tokens_left):
+            return False
+        needy = self.blocks.needing_a_block(decodes)
+        if len(needy) > self.blocks.num_free_blocks:
+            return False
+        for seq in needy:
+            self.blocks.grow(seq, 1)
+        plan.add_decodes(decodes)
+        return True
 
     def _schedule_swapped(self, plan: _StepPlan, state: SchedulerState, max_seqs: int) -> None:
         if not self.swapped:
             return
         just_evicted = set(plan.out.preempted)
-        for seq in self.queue.order(self.swapped, state.now):
+        for seq in self.in_queue_order(self.swapped, state.now):
             if seq in just_evicted:
                 continue
             if plan.seqs_left <= 0 or plan.tokens_left <= 0 or len(self.running) >= max_seqs:
@@ -224,6 +299,8 @@ class PolicyScheduler:
 
     def _schedule_waiting(self, plan: _StepPlan, state: SchedulerState, max_seqs: int) -> None:
         if plan.out.preempted or plan.out.swap_in or self.swapped or not self.waiting:
+            return
+        if plan.tokens_left <= 0 or (not self._has_slot(plan, max_seqs) and not self.queue.preempts_running):
             return
         for seq in state.waiting:  # queue order; the list is unchanged when this phase runs
             if plan.tokens_left <= 0:
@@ -252,7 +329,7 @@ class PolicyScheduler:
 
     def _make_room(self, seq: Sequence, n: int, plan: _StepPlan, now: float) -> bool:
         """Evict until ``seq`` can grow by ``n`` tokens; False if ``seq`` itself lost."""
-        while not self.blocks.can_grow(seq, n):
+        while not self.blocks.try_grow(seq, n):
             if self.blocks.num_used_blocks == len(seq.block_table):
                 self._fail(seq, plan, now, self._too_big(seq, n))
                 return False
@@ -261,7 +338,6 @@ class PolicyScheduler:
             self._preempt(victim, plan, now)
             if victim is seq:
                 return False
-        self.blocks.grow(seq, n)
         return True
 
     def _has_slot(self, plan: _StepPlan, max_seqs: int) -> bool:
@@ -335,8 +411,7 @@ class PolicyScheduler:
                 )
             self.blocks.free(victim)
             victim.num_computed_tokens = 0
-            victim.status = SequenceStatus.WAITING
-            self.waiting.append(victim)
+            self._enqueue(victim)
         victim.num_preemptions += 1
         self.num_preemptions += 1
         plan.out.preempted.append(victim)
@@ -370,6 +445,7 @@ class PolicyScheduler:
 
     def _forget(self, seq: Sequence, now: float) -> None:
         self._by_id.pop(seq.request_id, None)
+        self._keys.pop(seq, None)
         for policy in self.policies:
             policy.on_finish(seq, now)
 

@@ -11,7 +11,7 @@ from cbcore.policy import NoParams, StepResult
 from cbcore.sequence import Sequence
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSeq:
     seq: Sequence
     num_tokens: int  # pending tokens of this sequence that run this step
@@ -20,7 +20,8 @@ class ScheduledSeq:
     is_decode: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        self.is_decode = self.seq.num_pending_tokens == 1 and self.seq.num_output_tokens > 0
+        seq = self.seq
+        self.is_decode = len(seq.token_ids) - seq.num_computed_tokens == 1 and seq.num_output_tokens > 0
 
 
 @dataclass

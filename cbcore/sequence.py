@@ -25,7 +25,7 @@ class FinishReason(enum.StrEnum):
     ERROR = "error"  # the request could not be served (see Sequence.error)
 
 
-@dataclass
+@dataclass(eq=False)  # sequences are identities, kept in sets and dicts (C-level id hash)
 class Sequence:
     """The mutable state of one request.
 
@@ -66,12 +66,6 @@ class Sequence:
         if self.params.seed is not None:
             self.generator = torch.Generator(device="cpu")
             self.generator.manual_seed(self.params.seed)
-
-    def __hash__(self) -> int:  # sequences are identities, kept in sets and dicts
-        return id(self)
-
-    def __eq__(self, other: object) -> bool:
-        return self is other
 
     @property
     def num_prompt_tokens(self) -> int:

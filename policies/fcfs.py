@@ -13,6 +13,7 @@ class FCFS(QueuePolicy):
     """
 
     name = "fcfs"
+    fixed_keys = True
 
     def key(self, seq: SequenceView, now: float) -> tuple[float, str]:
         return (seq.arrival_time, seq.request_id)

@@ -37,6 +37,7 @@ class Priority(QueuePolicy):
     def __init__(self, params: PriorityParams | None = None) -> None:
         super().__init__(params)
         self.preempts_running = self.params.preempt_running
+        self.fixed_keys = self.params.aging_s is None
 
     def effective_priority(self, seq: SequenceView, now: float) -> float:
         if self.params.aging_s is None:

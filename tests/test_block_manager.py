@@ -141,3 +141,18 @@ def test_check_detects_a_double_owner():
     b.block_table = list(a.block_table)
     with pytest.raises(AssertionError, match="owned by"):
         blocks.check([a, b])
+
+
+def test_needing_a_block_agrees_with_blocks_needed():
+    blocks = BlockManager(64, 4)
+    seqs = []
+    for computed in range(0, 13):
+        seq = Sequence(request_id=f"s{computed}", prompt_token_ids=[1] * 13, params=SamplingParams())
+        blocks.grow(seq, computed)
+        seq.num_computed_tokens = computed
+        seqs.append(seq)
+    needy = blocks.needing_a_block(seqs)
+    assert needy == [s for s in seqs if blocks.blocks_needed(s, 1) > 0]
+    assert [s.num_computed_tokens for s in needy] == [0, 4, 8, 12]
+    blocks.try_grow(seqs[4], 1)
+    assert seqs[4] not in blocks.needing_a_block(seqs)

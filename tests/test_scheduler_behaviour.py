@@ -11,6 +11,7 @@ sequence still holds its value: what attention would read.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -431,3 +432,60 @@ def test_recompute_preemption_keeps_every_cached_token() -> None:
         run.add(f"r{i}", plen, cap)
     run.run()
     assert run.sched.num_preemptions > 0
+
+
+class _SortedEveryStep(FCFS):
+    fixed_keys = False
+
+
+class _PrioritySortedEveryStep(Priority):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fixed_keys = False
+
+
+def _random_trace(queue: QueuePolicy, *, decodes_in_one_pass: bool = True) -> list[tuple]:
+    """Per step: who ran with how many tokens, who was preempted, every scheduled block table."""
+    run = FakeRun(queue, budget(5, 24), num_blocks=24, block_size=4)
+    if not decodes_in_one_pass:
+        run.sched._schedule_all_decodes = lambda decodes, plan: False  # type: ignore[method-assign]
+    plans = []
+    schedule = run.sched.schedule
+
+    def recording_schedule() -> SchedulerOutput:
+        out = schedule()
+        plans.append(
+            (
+                tuple((s.seq.request_id, s.num_tokens, tuple(s.seq.block_table)) for s in out.scheduled),
+                tuple(p.request_id for p in out.preempted),
+            )
+        )
+        return out
+
+    run.sched.schedule = recording_schedule  # type: ignore[method-assign]
+    rng = random.Random(3)
+    pending = list(range(40))
+    while pending or run.sched.has_unfinished():
+        for _ in range(min(len(pending), rng.choice((0, 0, 1, 3)))):
+            i = pending.pop(0)
+            run.add(f"r{i}", rng.randint(1, 20), rng.randint(1, 12), priority=rng.randint(0, 2))
+        if run.sched.has_unfinished():
+            run.step()
+        else:
+            run.now += 1.0
+    assert any(preempted for _, preempted in plans)  # memory was tight enough to reorder the queue
+    return plans
+
+
+@pytest.mark.parametrize(
+    ("fixed", "sorted_every_step"), [(FCFS, _SortedEveryStep), (Priority, _PrioritySortedEveryStep)]
+)
+def test_fixed_queue_keys_plan_exactly_like_sorting_every_step(fixed: type, sorted_every_step: type) -> None:
+    """The stored-key shortcut (a sorted waiting list, keys computed at arrival) changes no decision."""
+    assert _random_trace(fixed()) == _random_trace(sorted_every_step())
+
+
+@pytest.mark.parametrize("queue", [FCFS, Priority])
+def test_decodes_in_one_pass_plan_exactly_like_the_per_sequence_loop(queue: type) -> None:
+    """Same sequences, tokens, preemptions and block ids as checking each decode on its own."""
+    assert _random_trace(queue()) == _random_trace(queue(), decodes_in_one_pass=False)

@@ -1,16 +1,184 @@
-"""`cb bench` (placeholder until its issue lands: exits with an error)."""
+"""`cb bench`: one workload through several configurations and baselines, side by side.
+
+Every ``--config`` x ``--policy`` x ``--backend`` combination is one row (the
+flags that are not given do not multiply); ``--baseline`` adds outside
+baselines on the same requests. All rows run in this process on one model.
+"""
 
 from __future__ import annotations
 
 import argparse
+import copy
+import sys
+from pathlib import Path
+from typing import Any
 
 from cbcore.cli.main import CLIError
 
+EPILOG = """\
+workloads:
+  seed                                  the seeds' six requests (caps 6..300), all at t=0
+  FILE.jsonl                            a trace (see --save-trace), replayed exactly
+  poisson:n=64,rate=2,lengths=sharegpt,seed=0
+      keys: n, rate (req/s, inf = all at t=0), burstiness (1 = Poisson), lengths (fixed, uniform,
+      sharegpt), input_len, output_len (means), range_ratio, sigma, max_input, max_output,
+      clients (a:3/b:1), priorities (0:1/1:3), ignore_eos, seed
+
+example:
+  cb bench --workload seed --policy fcfs --policy priority+chunked --backend eager --backend sdpa \\
+      --baseline hf-static --baseline hf-generate-batch --json out.json --plot out.png
+"""
+
 
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    parser = sub.add_parser("bench", parents=[common], help="not implemented yet")
+    parser = sub.add_parser(
+        "bench",
+        parents=[common],
+        conflict_handler="resolve",  # --config is repeatable here
+        help="compare policies, backends and baselines on one workload",
+        description=__doc__.splitlines()[0],
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--workload", default="seed", metavar="SPEC", help="seed, FILE.jsonl or poisson:...")
+    parser.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        dest="configs",
+        metavar="FILE",
+        help="engine config (repeatable)",
+    )
+    parser.add_argument(
+        "--policy", action="append", default=[], dest="policies", metavar="MIX", help="e.g. priority+chunked"
+    )
+    parser.add_argument("--backend", action="append", default=[], dest="backends", metavar="NAME")
+    parser.add_argument(
+        "--baseline",
+        action="append",
+        default=[],
+        dest="baselines",
+        choices=["hf-static", "hf-generate-batch"],
+        help="add an outside baseline row (repeatable)",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        metavar="N",
+        help="baselines' batch (hf-static wave size, hf-generate-batch max requests per batch); "
+        "default: the largest max_num_seqs among the configurations (hf-generate-batch also gets "
+        "their largest max_num_batched_tokens)",
+    )
+    parser.add_argument("--slo", metavar="ttft:MS,tpot:MS", help="latency objectives for goodput")
+    parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    parser.add_argument("--csv", metavar="FILE", help="write the rows as CSV")
+    parser.add_argument("--plot", metavar="FILE.png", help="latency CDFs and throughput per row")
+    parser.add_argument("--save-trace", metavar="FILE.jsonl", help="write the workload as a replayable trace")
+    parser.add_argument(
+        "--no-reference",
+        action="store_true",
+        help="skip the per-prompt reference (identical_to_reference: null)",
+    )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run every row N times, interleaved, and report each row's median run",
+    )
+    parser.add_argument("--threads", type=int, metavar="N", help="torch CPU threads")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     parser.set_defaults(func=run)
 
 
+def build_configs(args: argparse.Namespace) -> list[tuple[str, Any]]:
+    """One (row name, EngineConfig) per combination of --config, --policy and --backend."""
+    from cbcore.cli.common import config_data, engine_config, scheduler_from_mix
+
+    rows = []
+    for path in args.configs or [None]:
+        ns = copy.copy(args)
+        ns.config = path
+        plugins = tuple(config_data(ns).get("plugins") or ())
+        for mix in args.policies or [None]:
+            for backend in args.backends or [None]:
+                extra: dict[str, Any] = {}
+                if mix is not None:
+                    extra["scheduler"] = scheduler_from_mix(mix, plugins)
+                if backend is not None:
+                    extra["backend"] = {"name": backend}
+                parts = [Path(path).stem if path else None, mix, backend]
+                name = "/".join(p for p in parts if p) or "default"
+                rows.append((name, engine_config(ns, extra)))
+    models = {c.model.model_dump_json() for _, c in rows}
+    if len(models) > 1:
+        raise CLIError("all configurations must use the same model section (one model serves every row)")
+    return rows
+
+
 def run(args: argparse.Namespace) -> int:
-    raise CLIError("cb bench is not implemented yet")
+    from cbcore.bench import report
+    from cbcore.bench.generator import is_generator
+    from cbcore.bench.metrics import SLO
+    from cbcore.bench.suite import baseline_limits, run_suite
+    from cbcore.bench.workload import load_workload
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise CLIError(f"--threads must be >= 1, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
+    if args.batch_size is not None and args.batch_size < 1:
+        raise CLIError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.repeat < 1:
+        raise CLIError(f"--repeat must be >= 1, got {args.repeat}")
+    slo = SLO.parse(args.slo) if args.slo else None
+    # A trace or spec is checked before the (slow) model load; drawing prompts needs the vocabulary.
+    workload = None if is_generator(args.workload) else load_workload(args.workload)
+    configs = build_configs(args)
+    batch_size, batch_tokens = baseline_limits(configs)
+    batch_size = args.batch_size or batch_size
+
+    from cbcore.loading import load_model_and_tokenizer
+
+    model_cfg = configs[0][1].model
+    model, tokenizer = load_model_and_tokenizer(model_cfg.path, model_cfg)
+    vocab = model.config.get_text_config().vocab_size
+    if tokenizer is not None:
+        vocab = min(vocab, len(tokenizer))
+    special = list(getattr(tokenizer, "all_special_ids", []) or [])
+    if workload is None:
+        workload = load_workload(args.workload, vocab, special)
+    if args.save_trace:
+        workload.save(args.save_trace)
+    result = run_suite(
+        model,
+        tokenizer,
+        workload,
+        configs,
+        baselines=args.baselines,
+        batch_size=batch_size,
+        batch_tokens=batch_tokens,
+        slo=slo,
+        reference=not args.no_reference,
+        repeat=args.repeat,
+        progress=_progress_factory(args.no_progress),
+    )
+    print(report.table(result))
+    if args.json:
+        report.write_json(result, args.json)
+    if args.csv:
+        report.write_csv(result, args.csv)
+    if args.plot:
+        report.plot(result, args.plot)
+    return 0
+
+
+def _progress_factory(disabled: bool) -> Any:
+    from tqdm import tqdm
+
+    def make(total: int, desc: str) -> Any:
+        return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, disable=disabled, dynamic_ncols=True)
+
+    return make

@@ -70,6 +70,8 @@ def scheduler_from_mix(mix: str, plugins: tuple[str, ...] = ()) -> dict[str, Any
                 raise PluginError(f"--policy {mix!r}: {name!r} replaces the whole scheduler; name it alone")
             return {"name": name}
         if kind in section:
-            raise PluginError(f"--policy {mix!r}: both {section[kind]['name']!r} and {name!r} are {kind} policies")
+            raise PluginError(
+                f"--policy {mix!r}: both {section[kind]['name']!r} and {name!r} are {kind} policies"
+            )
         section[kind] = {"name": name}
     return section

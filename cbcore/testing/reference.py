@@ -47,7 +47,8 @@ def reference_generate(
         config = GenerationConfig(
             max_new_tokens=cap,
             do_sample=False,
-            eos_token_id=eos,
+            # None would be filled in from the model's own generation config; -1 never matches.
+            eos_token_id=eos if eos is not None else -1,
             pad_token_id=pad,
             output_logits=bool(top_logprobs),
             return_dict_in_generate=True,

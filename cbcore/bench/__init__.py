@@ -1,0 +1,1 @@
+"""Benchmarking: workloads, the driver that honours arrivals, baselines, metrics and reports."""

@@ -1,0 +1,146 @@
+"""Running one workload through one engine, with arrivals honoured in wall time.
+
+A request is handed to the engine only once its arrival offset has passed on
+the wall clock, and its arrival time is the scheduled one, not the moment the
+loop got round to it: if a step is in progress when a request arrives, the
+wait counts against the request (queue time and TTFT), as it would for a
+client of a real server.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from cbcore.bench.workload import BenchRequest, Workload
+from cbcore.engine import Engine, RequestError
+from cbcore.outputs import RequestOutput
+from cbcore.sampling_params import SamplingParams
+from cbcore.stats import StepStats
+
+
+class Progress(Protocol):
+    def update(self, n: int) -> Any: ...
+    def close(self) -> Any: ...
+
+
+ProgressFactory = Callable[[int, str], Progress]
+
+
+class _NoProgress:
+    def update(self, n: int) -> None: ...
+    def close(self) -> None: ...
+
+
+def no_progress(total: int, desc: str) -> Progress:
+    return _NoProgress()
+
+
+@dataclass
+class RunResult:
+    """What one configuration (or baseline) did with the workload; outputs in workload order."""
+
+    name: str
+    kind: str  # "cbcore" or "baseline"
+    outputs: list[RequestOutput]
+    duration_s: float
+    busy_s: float | None = None  # duration minus the time spent waiting for arrivals
+    steps: list[StepStats] = field(default_factory=list)
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class Arrivals:
+    """Releases workload indices once their arrival offset has passed."""
+
+    def __init__(self, requests: Seq[BenchRequest], start: float) -> None:
+        self.start = start
+        self._order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)
+        self._offsets = [requests[i].arrival_s for i in self._order]
+        self._next = 0
+
+    def due(self, now: float) -> Iterator[int]:
+        while self._next < len(self._order) and self.start + self._offsets[self._next] <= now:
+            self._next += 1
+            yield self._order[self._next - 1]
+
+    @property
+    def exhausted(self) -> bool:
+        return self._next >= len(self._order)
+
+    def next_time(self) -> float:
+        return self.start + self._offsets[self._next]
+
+    def wait(self, clock: Callable[[], float], sleep: Callable[[float], None]) -> float:
+        """Sleep until the next arrival; returns the time slept."""
+        delay = self.next_time() - clock()
+        if delay > 0:
+            sleep(delay)
+        return max(delay, 0.0)
+
+
+def sampling_params(req: BenchRequest) -> SamplingParams:
+    return SamplingParams(max_new_tokens=req.max_new_tokens, ignore_eos=req.ignore_eos)
+
+
+def warm_up(engine: Engine, token_ids: Seq[Seq[int]]) -> None:
+    """A short prefill + decode through this engine, so first-call costs are not timed."""
+    prompts = [list(ids[:8]) for ids in token_ids[:2]]
+    engine.generate(prompts, SamplingParams(max_new_tokens=4, ignore_eos=True))
+
+
+def run_engine(
+    engine: Engine,
+    name: str,
+    workload: Workload,
+    token_ids: Seq[Seq[int]],
+    *,
+    progress: ProgressFactory = no_progress,
+    sleep: Callable[[float], None] = time.sleep,
+) -> RunResult:
+    """Drive ``engine`` step by step, adding each request when it arrives."""
+    if engine.has_unfinished():
+        raise RuntimeError("run_engine needs an idle engine")
+    requests = workload.requests
+    clock = engine.clock
+    first_step = len(engine.step_stats)
+    index = {r.request_id: i for i, r in enumerate(requests)}
+    done: dict[int, RequestOutput] = {}
+    bar = progress(len(requests), name)
+    idle = 0.0
+    start = clock()
+    arrivals = Arrivals(requests, start)
+    while len(done) < len(requests):
+        for i in arrivals.due(clock()):
+            req = requests[i]
+            try:
+                engine.add_request(
+                    list(token_ids[i]),
+                    sampling_params(req),
+                    request_id=req.request_id,
+                    priority=req.priority,
+                    client_id=req.client_id,
+                    arrival_time=start + req.arrival_s,
+                )
+            except RequestError as exc:
+                done[i] = RequestOutput.rejected(req.request_id, list(token_ids[i]), str(exc))
+                bar.update(1)
+        if engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    done[index[out.request_id]] = out
+                    bar.update(1)
+        elif not arrivals.exhausted:
+            idle += arrivals.wait(clock, sleep)
+    duration = clock() - start
+    bar.close()
+    return RunResult(
+        name=name,
+        kind="cbcore",
+        outputs=[done[i] for i in range(len(requests))],
+        duration_s=duration,
+        busy_s=duration - idle,
+        steps=list(engine.step_stats[first_step:]),
+    )

@@ -1,0 +1,163 @@
+"""Synthetic workloads: gamma-process arrivals, length distributions, clients and priorities.
+
+Arrivals follow vLLM's benchmark: inter-arrival gaps are drawn from a gamma
+distribution with shape ``burstiness`` and mean ``1 / rate``, so burstiness 1
+is a Poisson process, smaller values are burstier, larger ones more regular,
+and ``rate=inf`` sends everything at t=0. The first request arrives at t=0.
+
+Prompts are token ids drawn uniformly from the model's vocabulary (special
+tokens excluded); what is measured is the serving of those lengths, not what
+the text says. ``ignore_eos`` defaults to true so each request produces the
+output length it was drawn with.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence as Seq
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from cbcore.bench.workload import BenchRequest, Workload, WorkloadError
+from cbcore.config import format_validation_error
+
+GENERATORS = ("poisson", "gamma")
+
+# Means of the ShareGPT conversations that vLLM's benchmark samples, after its
+# filter (prompts of 4..1024 tokens); both are long-tailed.
+SHAREGPT_INPUT_MEAN = 220
+SHAREGPT_OUTPUT_MEAN = 200
+
+
+class GeneratorSpec(BaseModel):
+    """``poisson:key=value,...``; every key has a default."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    n: int = Field(64, ge=1, description="Number of requests.")
+    rate: float = Field(math.inf, gt=0, description="Mean arrivals per second; inf: all at t=0.")
+    burstiness: float = Field(1.0, gt=0, description="Gamma shape of inter-arrival gaps; 1 = Poisson.")
+    lengths: Literal["fixed", "uniform", "sharegpt"] = "sharegpt"
+    input_len: int | None = Field(None, ge=1, description="Mean prompt length (default per distribution).")
+    output_len: int | None = Field(None, ge=1, description="Mean output length (default per distribution).")
+    range_ratio: float = Field(0.5, ge=0, lt=1, description="uniform: lengths in [L(1-r), L(1+r)].")
+    sigma: float = Field(1.0, gt=0, le=3, description="sharegpt: log-normal shape (larger: longer tail).")
+    max_input: int = Field(1024, ge=1, description="Longest prompt kept (sharegpt tail is truncated).")
+    max_output: int = Field(1024, ge=1, description="Longest output kept.")
+    clients: dict[str, float] = Field(default_factory=lambda: {"default": 1.0})
+    priorities: dict[int, float] = Field(default_factory=lambda: {0: 1.0})
+    ignore_eos: bool = True
+    seed: int = 0
+
+    @field_validator("clients", "priorities")
+    @classmethod
+    def _positive_weights(cls, value: dict) -> dict:
+        if not value or any(w <= 0 for w in value.values()):
+            raise ValueError("weights must be positive")
+        return value
+
+    @property
+    def means(self) -> tuple[int, int]:
+        default = (SHAREGPT_INPUT_MEAN, SHAREGPT_OUTPUT_MEAN) if self.lengths == "sharegpt" else (128, 128)
+        return (self.input_len or default[0], self.output_len or default[1])
+
+
+def is_generator(spec: str) -> bool:
+    """True for a generator spec, which is validated on the spot (prompts are drawn later)."""
+    if spec.split(":", 1)[0] not in GENERATORS:
+        return False
+    parse_spec(spec)
+    return True
+
+
+def parse_spec(spec: str) -> tuple[str, GeneratorSpec]:
+    """``poisson:n=64,rate=2,clients=a:3/b:1,priorities=0/1`` -> (kind, validated spec)."""
+    kind, _, body = spec.partition(":")
+    if kind not in GENERATORS:
+        raise WorkloadError(f"workload {spec!r}: unknown generator {kind!r}; known: {', '.join(GENERATORS)}")
+    data: dict[str, object] = {}
+    for item in filter(None, (p.strip() for p in body.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise WorkloadError(f"workload {spec!r}: expected key=value, got {item!r}")
+        key = key.strip()
+        data[key] = _weights(spec, key, value) if key in ("clients", "priorities") else value.strip()
+    try:
+        return kind, GeneratorSpec.model_validate(data)
+    except ValidationError as exc:
+        raise WorkloadError(f"workload {spec!r}: {format_validation_error(exc)}") from None
+
+
+def _weights(spec: str, key: str, value: str) -> dict[str, str]:
+    """``a:3/b:1`` -> {a: 3, b: 1}; a bare name has weight 1."""
+    out: dict[str, str] = {}
+    for part in filter(None, value.split("/")):
+        name, _, weight = part.partition(":")
+        if not name.strip():
+            raise WorkloadError(f"workload {spec!r}: {key}: empty name in {value!r}")
+        out[name.strip()] = weight.strip() or "1"
+    return out
+
+
+def arrival_times(n: int, rate: float, burstiness: float, rng: random.Random) -> list[float]:
+    """Gamma-process arrival offsets: the first at 0, then gaps of mean ``1/rate``."""
+    if math.isinf(rate):
+        return [0.0] * n
+    scale = 1.0 / (rate * burstiness)
+    times, t = [0.0], 0.0
+    for _ in range(n - 1):
+        t += rng.gammavariate(burstiness, scale)
+        times.append(t)
+    return times
+
+
+def draw_length(spec: GeneratorSpec, mean: int, cap: int, rng: random.Random) -> int:
+    if spec.lengths == "fixed":
+        return min(mean, cap)
+    if spec.lengths == "uniform":
+        low = max(1, round(mean * (1 - spec.range_ratio)))
+        high = max(low, round(mean * (1 + spec.range_ratio)))
+        return min(rng.randint(low, high), cap)
+    # Log-normal with the requested mean: mu = ln(mean) - sigma^2 / 2.
+    mu = math.log(mean) - spec.sigma**2 / 2
+    return max(1, min(round(rng.lognormvariate(mu, spec.sigma)), cap))
+
+
+def generate(spec_text: str, vocab_size: int, special_ids: Seq[int] = ()) -> Workload:
+    """Draw a workload; the same spec and vocabulary always give the same requests."""
+    _, spec = parse_spec(spec_text)
+    special = set(special_ids)
+    if vocab_size - len(special & set(range(vocab_size))) < 1:
+        raise WorkloadError(f"workload {spec_text!r}: the vocabulary has no ordinary tokens to draw from")
+    # Independent streams, so changing e.g. the rate does not change the prompts.
+    rng_arrival = random.Random(f"{spec.seed}-arrival")
+    rng_len = random.Random(f"{spec.seed}-lengths")
+    rng_tok = random.Random(f"{spec.seed}-tokens")
+    rng_who = random.Random(f"{spec.seed}-clients")
+    times = arrival_times(spec.n, spec.rate, spec.burstiness, rng_arrival)
+    in_mean, out_mean = spec.means
+    clients, client_w = list(spec.clients), list(spec.clients.values())
+    prios, prio_w = list(spec.priorities), list(spec.priorities.values())
+    requests = []
+    for i, t in enumerate(times):
+        n_in = draw_length(spec, in_mean, spec.max_input, rng_len)
+        n_out = draw_length(spec, out_mean, spec.max_output, rng_len)
+        ids = []
+        while len(ids) < n_in:
+            tok = rng_tok.randrange(vocab_size)
+            if tok not in special:
+                ids.append(tok)
+        requests.append(
+            BenchRequest(
+                request_id=f"r{i}",
+                arrival_s=t,
+                max_new_tokens=n_out,
+                prompt_token_ids=tuple(ids),
+                client_id=rng_who.choices(clients, client_w)[0],
+                priority=rng_who.choices(prios, prio_w)[0],
+                ignore_eos=spec.ignore_eos,
+            )
+        )
+    return Workload(spec_text, tuple(requests))

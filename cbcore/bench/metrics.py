@@ -1,0 +1,226 @@
+"""From per-request timelines and per-step stats to one row of numbers.
+
+Definitions follow vLLM's serving benchmark so that figures mean what readers
+expect: duration runs from the start of the run to the last completion;
+throughputs divide by it; TTFT is arrival to first token; TPOT is
+``(e2e - TTFT) / (output_len - 1)`` per request with at least two tokens; ITL
+pools every gap between consecutive tokens of every request; percentiles
+interpolate linearly (numpy's default). Goodput counts the completed requests
+that met every SLO given, per second of duration.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from statistics import fmean
+from typing import Any
+
+from cbcore.bench.workload import BenchRequest
+from cbcore.outputs import RequestMetrics, RequestOutput
+from cbcore.stats import StepStats
+
+#: Steps with at least this many sequences count for ``engine_overhead_share_8plus``.
+BUSY_SEQS = 8
+SLO_KEYS = ("ttft", "tpot", "e2el")
+
+
+@dataclass(frozen=True)
+class SLO:
+    """Latency objectives in seconds (given in milliseconds on the command line)."""
+
+    ttft: float | None = None
+    tpot: float | None = None
+    e2el: float | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> SLO:
+        """``ttft:500,tpot:50`` (milliseconds) -> SLO in seconds."""
+        values: dict[str, float] = {}
+        for item in filter(None, (p.strip() for p in text.split(","))):
+            key, sep, raw = item.partition(":")
+            key = key.strip()
+            if not sep or key not in SLO_KEYS:
+                raise ValueError(f"--slo {text!r}: expected KEY:MS with KEY one of {', '.join(SLO_KEYS)}")
+            try:
+                ms = float(raw)
+            except ValueError:
+                raise ValueError(f"--slo {text!r}: {key}: {raw!r} is not a number of milliseconds") from None
+            if not ms > 0 or math.isinf(ms):
+                raise ValueError(f"--slo {text!r}: {key} must be a positive number of milliseconds")
+            values[key] = ms / 1000.0
+        if not values:
+            raise ValueError(f"--slo {text!r}: give at least one of {', '.join(SLO_KEYS)}")
+        return cls(**values)
+
+    def met(self, m: RequestMetrics) -> bool:
+        # As vLLM does, a one-token output has a TPOT of 0 for this check.
+        checks = ((self.ttft, m.ttft), (self.tpot, m.tpot or 0.0), (self.e2el, m.e2e))
+        return all(limit is None or (value is not None and value <= limit) for limit, value in checks)
+
+    def as_ms(self) -> dict[str, float]:
+        return {k: getattr(self, k) * 1000 for k in SLO_KEYS if getattr(self, k) is not None}
+
+
+def percentile(values: Seq[float], q: float) -> float | None:
+    """Linear interpolation between closest ranks (numpy's default method)."""
+    if not values:
+        return None
+    data = sorted(values)
+    pos = (len(data) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(data) - 1)
+    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
+
+
+def distribution(prefix: str, values: Seq[float]) -> dict[str, float | None]:
+    return {
+        f"{prefix}_mean_s": fmean(values) if values else None,
+        f"{prefix}_p50_s": percentile(values, 50),
+        f"{prefix}_p90_s": percentile(values, 90),
+        f"{prefix}_p99_s": percentile(values, 99),
+    }
+
+
+def completed(out: RequestOutput) -> bool:
+    return out.finished and out.finish_reason in ("stop", "length") and out.metrics is not None
+
+
+def latency_samples(outputs: Seq[RequestOutput]) -> dict[str, list[float]]:
+    """Every request's TTFT, TPOT, e2e and queue time, and every ITL gap (completed requests only)."""
+    done = [o.metrics for o in outputs if completed(o)]
+    return {
+        "ttft": [m.ttft for m in done if m.ttft is not None],
+        "tpot": [m.tpot for m in done if m.tpot is not None],
+        "itl": [gap for m in done for gap in m.itl],
+        "e2e": [m.e2e for m in done if m.e2e is not None],
+        "queue": [m.queue_time for m in done if m.queue_time is not None],
+    }
+
+
+def client_service(requests: Seq[BenchRequest], outputs: Seq[RequestOutput]) -> dict[str, dict[str, Any]]:
+    """Per client: tokens served, and time with at least one request in the system.
+
+    ``tokens_per_backlogged_s`` is the rate at which a client was served while
+    it was waiting for something; equal rates mean no client got a smaller
+    share of the server while it had work.
+    """
+    spans: dict[str, list[tuple[float, float]]] = {}
+    served: dict[str, int] = {}
+    count: dict[str, int] = {}
+    for req, out in zip(requests, outputs, strict=True):
+        c = req.client_id
+        count[c] = count.get(c, 0) + 1
+        m = out.metrics
+        if m is None or m.finish_time is None:
+            continue
+        served[c] = served.get(c, 0) + m.prompt_len + m.output_len
+        spans.setdefault(c, []).append((m.arrival_time, m.finish_time))
+    result = {}
+    for c in sorted(count):
+        backlogged = _union_length(spans.get(c, []))
+        tokens = served.get(c, 0)
+        result[c] = {
+            "requests": count[c],
+            "served_tokens": tokens,
+            "backlogged_s": backlogged,
+            "tokens_per_backlogged_s": tokens / backlogged if backlogged > 0 else None,
+        }
+    return result
+
+
+def _union_length(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, -math.inf
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def fairness_spread(clients: dict[str, dict[str, Any]]) -> float | None:
+    """max / min of the clients' served tokens per backlogged second; 1.0 is perfectly even."""
+    rates = [c["tokens_per_backlogged_s"] for c in clients.values() if c["tokens_per_backlogged_s"]]
+    if len(rates) < 2:
+        return None
+    return max(rates) / min(rates)
+
+
+def step_summary(steps: Seq[StepStats], busy_s: float | None) -> dict[str, Any]:
+    """Where the time went, how full the batches and the KV cache were."""
+    if not steps:
+        return {"steps": 0}
+    total = sum(s.total_s for s in steps)
+    forward = sum(s.forward_s for s in steps)
+    busy = [s for s in steps if s.num_seqs >= BUSY_SEQS]
+    busy_total = sum(s.total_s for s in busy)
+    kv = [s.kv_blocks_used / s.kv_blocks_total for s in steps if s.kv_blocks_total]
+    denom = busy_s if busy_s is not None and busy_s > 0 else total
+    return {
+        "steps": len(steps),
+        "mean_tokens_per_step": fmean(s.num_tokens for s in steps),
+        "mean_seqs_per_step": fmean(s.num_seqs for s in steps),
+        "max_seqs_per_step": max(s.num_seqs for s in steps),
+        "mixed_steps": sum(s.is_mixed for s in steps),
+        "prefill_tokens": sum(s.num_prefill_tokens for s in steps),
+        "decode_tokens": sum(s.num_decode_tokens for s in steps),
+        "kv_util_mean": fmean(kv) if kv else None,
+        "kv_util_max": max(kv) if kv else None,
+        "forward_s": forward,
+        "schedule_ms_per_step": 1000 * fmean(s.schedule_s for s in steps),
+        "prepare_ms_per_step": 1000 * fmean(s.prepare_s for s in steps),
+        "sample_ms_per_step": 1000 * fmean(s.sample_s for s in steps),
+        "forward_ms_per_step": 1000 * forward / len(steps),
+        # Everything but the model forward, as a share of the time the engine was busy.
+        "engine_overhead_share": max(0.0, 1.0 - forward / denom) if denom > 0 else None,
+        f"engine_overhead_share_{BUSY_SEQS}plus": (
+            1.0 - sum(s.forward_s for s in busy) / busy_total if busy_total > 0 else None
+        ),
+        f"steps_{BUSY_SEQS}plus": len(busy),
+    }
+
+
+def summarize(
+    name: str,
+    requests: Seq[BenchRequest],
+    outputs: Seq[RequestOutput],
+    duration_s: float,
+    *,
+    steps: Seq[StepStats] = (),
+    busy_s: float | None = None,
+    slo: SLO | None = None,
+) -> dict[str, Any]:
+    """One row: throughput, latency distributions, goodput, preemptions, fairness, step stats."""
+    if len(requests) != len(outputs):
+        raise ValueError(f"{len(outputs)} outputs for {len(requests)} requests")
+    if duration_s <= 0:
+        raise ValueError(f"duration must be positive, got {duration_s}")
+    done = [o for o in outputs if completed(o)]
+    out_tokens = sum(len(o.output_token_ids) for o in done)
+    in_tokens = sum(len(o.prompt_token_ids) for o in done)
+    samples = latency_samples(outputs)
+    row: dict[str, Any] = {
+        "name": name,
+        "num_requests": len(outputs),
+        "completed": len(done),
+        "failed": len(outputs) - len(done),
+        "duration_s": duration_s,
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
+        "output_tokens_per_s": out_tokens / duration_s,
+        "total_tokens_per_s": (in_tokens + out_tokens) / duration_s,
+        "request_throughput": len(done) / duration_s,
+    }
+    for key in ("ttft", "tpot", "itl", "e2e", "queue"):
+        row.update(distribution(key, samples[key]))
+    if slo is not None:
+        good = sum(slo.met(o.metrics) for o in done)
+        row.update(goodput=good / duration_s, slo_attainment=good / len(outputs), slo_ms=slo.as_ms())
+    row["preemptions"] = sum(o.metrics.num_preemptions for o in done)
+    clients = client_service(requests, outputs)
+    row.update(fairness_spread=fairness_spread(clients), clients=clients)
+    row.update(step_summary(steps, busy_s))
+    row.setdefault("engine_overhead_share", None)
+    return row

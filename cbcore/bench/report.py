@@ -1,0 +1,153 @@
+"""Presenting a benchmark: terminal table, JSON, CSV and plots."""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Sequence as Seq
+from pathlib import Path
+from typing import Any
+
+from cbcore.bench.suite import BenchResult
+
+# (header, row key, scale, format): latencies are shown in milliseconds.
+COLUMNS: tuple[tuple[str, str, float, str], ...] = (
+    ("out tok/s", "output_tokens_per_s", 1, "{:.1f}"),
+    ("req/s", "request_throughput", 1, "{:.3f}"),
+    ("TTFT p50", "ttft_p50_s", 1000, "{:.0f}"),
+    ("TTFT p99", "ttft_p99_s", 1000, "{:.0f}"),
+    ("TPOT p50", "tpot_p50_s", 1000, "{:.1f}"),
+    ("TPOT p99", "tpot_p99_s", 1000, "{:.1f}"),
+    ("ITL p50", "itl_p50_s", 1000, "{:.1f}"),
+    ("ITL p99", "itl_p99_s", 1000, "{:.1f}"),
+    ("e2e p50", "e2e_p50_s", 1000, "{:.0f}"),
+    ("e2e p99", "e2e_p99_s", 1000, "{:.0f}"),
+    ("goodput", "goodput", 1, "{:.3f}"),
+    ("preempt", "preemptions", 1, "{:d}"),
+    ("KV max", "kv_util_max", 100, "{:.1f}%"),
+    ("overhead", "engine_overhead_share", 100, "{:.1f}%"),
+    ("fair", "fairness_spread", 1, "{:.2f}"),
+    ("=ref", "identical_to_reference", 1, "{}"),
+)
+
+
+def _cell(row: dict[str, Any], key: str, scale: float, fmt: str) -> str:
+    value = row.get(key)
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "NO"
+    return fmt.format(value * scale if scale != 1 else value)
+
+
+def table(result: BenchResult) -> str:
+    """A plain aligned table (latencies in ms), then the throughput ratios."""
+    cols = [c for c in COLUMNS if any(r.get(c[1]) is not None for r in result.rows)]
+    header = ["config", *[c[0] for c in cols]]
+    body = [[r["name"], *[_cell(r, key, scale, fmt) for _, key, scale, fmt in cols]] for r in result.rows]
+    widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
+
+    def fmt_line(cells: Seq[str]) -> str:
+        first = cells[0].ljust(widths[0])
+        return "  ".join([first, *(c.rjust(w) for c, w in zip(cells[1:], widths[1:], strict=True))])
+
+    w = result.workload
+    lines = [
+        f"workload {w['name']}: {w['num_requests']} requests over {w['arrival_span_s']:.1f} s "
+        "(latencies in ms; overhead = share of busy time outside the model forward)",
+        fmt_line(header),
+        fmt_line(["-" * n for n in widths]),
+        *(fmt_line(b) for b in body),
+    ]
+    lines.extend(ratio_lines(result.rows))
+    return "\n".join(lines)
+
+
+def ratios(rows: Seq[dict[str, Any]]) -> dict[str, float]:
+    """Output tokens/s of the best cbcore row over each baseline's."""
+    ours = [r for r in rows if r["kind"] == "cbcore"]
+    if not ours:
+        return {}
+    best = max(ours, key=lambda r: r["output_tokens_per_s"])
+    return {
+        r["name"]: best["output_tokens_per_s"] / r["output_tokens_per_s"]
+        for r in rows
+        if r["kind"] == "baseline" and r["output_tokens_per_s"] > 0
+    }
+
+
+def ratio_lines(rows: Seq[dict[str, Any]]) -> list[str]:
+    found = ratios(rows)
+    if not found:
+        return []
+    best = max((r for r in rows if r["kind"] == "cbcore"), key=lambda r: r["output_tokens_per_s"])
+    return [f"{best['name']} vs {name}: {x:.2f}x output tokens/s" for name, x in found.items()]
+
+
+def to_json(result: BenchResult) -> dict[str, Any]:
+    data = result.to_json()
+    data["speedups"] = ratios(result.rows)
+    return data
+
+
+def write_json(result: BenchResult, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(to_json(result), indent=2) + "\n")
+
+
+def write_csv(result: BenchResult, path: str | Path) -> None:
+    """One line per row; nested values (per-client stats, SLOs) as JSON text."""
+    keys: list[str] = []
+    for row in result.rows:
+        keys.extend(k for k in row if k not in keys)
+    with open(path, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=keys)
+        writer.writeheader()
+        for row in result.rows:
+            writer.writerow({k: json.dumps(v) if isinstance(v, dict | list) else v for k, v in row.items()})
+
+
+def plot(result: BenchResult, path: str | Path) -> None:
+    """Latency CDFs (TTFT, TPOT, ITL, e2e, queue) and output tokens/s, one colour per row."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise RuntimeError("--plot needs matplotlib: pip install 'cbcore[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = (
+        ("ttft", "TTFT"),
+        ("tpot", "TPOT"),
+        ("itl", "ITL"),
+        ("e2e", "end-to-end latency"),
+        ("queue", "queue time"),
+    )
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8.5))
+    color = {r["name"]: f"C{i % 10}" for i, r in enumerate(result.rows)}
+    for ax, (key, title) in zip(axes.flat, panels, strict=False):
+        seen: list[float] = []
+        for name, samples in result.samples.items():
+            values = sorted(v * 1000 for v in samples.get(key, []))
+            if values:
+                seen.extend(values)
+                ys = [i / len(values) for i in range(len(values) + 1)]
+                ax.step([values[0], *values], ys, where="post", label=name, color=color[name])
+        ax.set_title(f"{title} CDF")
+        ax.set_xlabel("ms")
+        ax.set_ylabel("fraction of samples")
+        if seen and min(seen) > 0 and max(seen) / min(seen) > 30:  # long tails: log scale
+            ax.set_xscale("log")
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize=8)
+    bar = axes.flat[5]
+    names = [r["name"] for r in result.rows]
+    values = [r["output_tokens_per_s"] for r in result.rows]
+    bar.barh(names, values, color=[color[n] for n in names])
+    bar.invert_yaxis()
+    bar.set_title("output tokens/s")
+    bar.set_xlabel("tokens/s")
+    bar.grid(alpha=0.3, axis="x")
+    fig.suptitle(f"cb bench: {result.workload['name']} ({result.workload['num_requests']} requests)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

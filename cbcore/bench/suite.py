@@ -1,0 +1,210 @@
+"""One workload through every configuration and baseline, side by side in one process.
+
+All rows share one model object and the same token ids. Each engine is
+built, warmed up with a short request, timed on the workload, and released
+before the next, so rows do not compete for memory or CPU. For greedy
+workloads the per-prompt reference (HF ``generate`` on each prompt alone) is
+computed once and every row is compared with it.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+
+from cbcore.bench.baselines import BASELINES, run_hf_generate_batch, run_hf_static
+from cbcore.bench.driver import ProgressFactory, RunResult, no_progress, run_engine, warm_up
+from cbcore.bench.metrics import SLO, latency_samples, summarize
+from cbcore.bench.workload import Workload
+from cbcore.config import EngineConfig
+from cbcore.engine import Engine
+from cbcore.log import get_logger
+from cbcore.outputs import RequestOutput
+from cbcore.testing.compare import compare_greedy
+from cbcore.testing.reference import ReferenceOutput, reference_generate
+
+log = get_logger(__name__)
+
+
+@dataclass
+class BenchResult:
+    workload: dict[str, Any]
+    rows: list[dict[str, Any]]
+    # Per row name: latency samples (ttft, tpot, itl, e2e, queue) for the CDF plots.
+    samples: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"workload": self.workload, "rows": self.rows}
+
+
+def prompt_token_ids(workload: Workload, tokenizer: Any | None) -> list[list[int]]:
+    return [r.token_ids(tokenizer) for r in workload.requests]
+
+
+def reference_outputs(
+    model: torch.nn.Module,
+    workload: Workload,
+    token_ids: Seq[Seq[int]],
+    progress: ProgressFactory = no_progress,
+) -> list[ReferenceOutput]:
+    """HF ``generate`` on each prompt alone (EOS ignored where the request ignores it)."""
+    bar = progress(len(workload), "reference")
+    refs = []
+    for req, ids in zip(workload.requests, token_ids, strict=True):
+        refs.extend(reference_generate(model, [ids], [req.max_new_tokens], ignore_eos=req.ignore_eos))
+        bar.update(1)
+    bar.close()
+    return refs
+
+
+def reference_check(
+    model: torch.nn.Module, outputs: Seq[RequestOutput], refs: Seq[ReferenceOutput]
+) -> dict[str, Any]:
+    report = compare_greedy(model, outputs, refs)
+    return {
+        "identical_to_reference": report.num_identical == len(report.comparisons),
+        "reference_near_ties": report.num_near_ties,
+        "reference_diverged": report.num_diverged,
+        "reference_mismatches": [c.describe() for c in report.comparisons if not c.identical][:10],
+    }
+
+
+def run_suite(
+    model: torch.nn.Module,
+    tokenizer: Any | None,
+    workload: Workload,
+    configs: Seq[tuple[str, EngineConfig]],
+    *,
+    baselines: Seq[str] = (),
+    batch_size: int = 16,
+    batch_tokens: int = 512,
+    slo: SLO | None = None,
+    reference: bool = True,
+    repeat: int = 1,
+    progress: ProgressFactory = no_progress,
+) -> BenchResult:
+    """Run every configuration and baseline on ``workload``; one row each, in the order given.
+
+    With ``repeat`` > 1 every row runs that many times and reports its median run
+    (by duration); the reference check covers every run.
+    """
+    unknown = [b for b in baselines if b not in BASELINES]
+    if unknown:
+        raise ValueError(f"unknown baseline {unknown[0]!r}; known: {', '.join(BASELINES)}")
+    names = [n for n, _ in configs] + list(baselines)
+    if len(set(names)) != len(names):
+        raise ValueError(f"two rows share a name: {names}")
+    if repeat < 1:
+        raise ValueError(f"repeat must be >= 1, got {repeat}")
+    token_ids = prompt_token_ids(workload, tokenizer)
+    refs = None
+    if reference:
+        log.info("computing the per-prompt reference", requests=len(workload))
+        refs = reference_outputs(model, workload, token_ids, progress)
+    _warm_model(model, token_ids)
+    runners: dict[str, Callable[[], RunResult]] = {}
+    for name, config in configs:
+        runners[name] = partial(_run_config, model, tokenizer, name, config, workload, token_ids, progress)
+    for name in baselines:
+        limits = {"batch_size": batch_size}
+        if name == "hf-generate-batch":
+            limits["batch_tokens"] = batch_tokens
+        baseline = run_hf_static if name == "hf-static" else run_hf_generate_batch
+        runners[name] = partial(baseline, model, workload, token_ids, progress=progress, **limits)
+    # Repetitions are interleaved (all rows, then all rows again) so that a change in machine
+    # load during the benchmark hits every row alike; each row keeps its median run.
+    runs: dict[str, list[RunResult]] = {name: [] for name in runners}
+    for _ in range(repeat):
+        for name, runner in runners.items():
+            runs[name].append(runner())
+    rows = []
+    samples = {}
+    for name, tries in runs.items():
+        rows.append(_row(model, workload, tries, refs, slo))
+        samples[name] = latency_samples(_median_run(tries).outputs)
+    return BenchResult(workload=workload.describe(), rows=rows, samples=samples)
+
+
+def _run_config(
+    model: torch.nn.Module,
+    tokenizer: Any | None,
+    name: str,
+    config: EngineConfig,
+    workload: Workload,
+    token_ids: Seq[Seq[int]],
+    progress: ProgressFactory,
+) -> RunResult:
+    """A fresh engine per run, warmed up, then released (each holds its own KV pool)."""
+    engine = Engine(model, tokenizer, config)
+    warm_up(engine, token_ids)
+    run = run_engine(engine, name, workload, token_ids, progress=progress)
+    run.info = {
+        "backend": config.backend.name,
+        "scheduler": config.scheduler.model_dump(exclude_defaults=True) or "default",
+        "max_num_seqs": budget_limit(config, "max_num_seqs"),
+    }
+    del engine
+    gc.collect()
+    return run
+
+
+def _median_run(tries: Seq[RunResult]) -> RunResult:
+    ordered = sorted(tries, key=lambda r: r.duration_s)
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def _row(
+    model: torch.nn.Module,
+    workload: Workload,
+    tries: Seq[RunResult],
+    refs: Seq[ReferenceOutput] | None,
+    slo: SLO | None,
+) -> dict[str, Any]:
+    run = _median_run(tries)
+    row = summarize(
+        run.name, workload.requests, run.outputs, run.duration_s, steps=run.steps, busy_s=run.busy_s, slo=slo
+    )
+    row = {"name": run.name, "kind": run.kind, **run.info, **row}
+    if len(tries) > 1:
+        row["repeats"] = len(tries)
+        row["duration_s_all"] = [t.duration_s for t in tries]
+    row["identical_to_reference"] = None
+    if refs is not None:
+        checks = [reference_check(model, t.outputs, refs) for t in tries]
+        worst = min(checks, key=lambda c: (c["identical_to_reference"], -c["reference_diverged"]))
+        row.update(worst)
+    return row
+
+
+def budget_limit(config: EngineConfig, key: str) -> int | None:
+    """A budget policy parameter (``max_num_seqs``, ``max_num_batched_tokens``), defaults included."""
+    from cbcore.plugins import get_registry
+
+    sched = config.scheduler
+    if sched.name is not None:
+        return None
+    params = get_registry(tuple(config.plugins)).params_for(
+        "budget", sched.budget.name, sched.budget.params, "scheduler.budget"
+    )
+    return getattr(params, key, None)
+
+
+def baseline_limits(configs: Seq[tuple[str, EngineConfig]]) -> tuple[int, int]:
+    """Batch size and tokens per step for the baselines: the largest among the configurations."""
+    seqs = [n for n in (budget_limit(c, "max_num_seqs") for _, c in configs) if n is not None]
+    tokens = [n for n in (budget_limit(c, "max_num_batched_tokens") for _, c in configs) if n is not None]
+    return max(seqs, default=16), max(tokens, default=512)
+
+
+@torch.inference_mode()
+def _warm_model(model: torch.nn.Module, token_ids: Seq[Seq[int]]) -> None:
+    """One plain forward, so the process's first-call costs (allocator, kernels) are not timed."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([list(token_ids[0][:16])], device=device)
+    model(input_ids=ids)
