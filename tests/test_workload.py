@@ -10,7 +10,8 @@ from statistics import fmean, median, pstdev
 import pytest
 
 from cbcore.bench.generator import arrival_times, generate, parse_spec
-from cbcore.bench.workload import SEED_REQUESTS, Workload, WorkloadError, load_workload, seed_workload
+from cbcore.bench.workload import Workload, WorkloadError, load_workload, seed_workload
+from cbcore.demo import DEMO_REQUESTS
 
 VOCAB = 512
 SPECIAL = [0, 1, 2]
@@ -24,7 +25,7 @@ def gaps(w: Workload) -> list[float]:
 def test_seed_workload_is_the_seeds_six_requests_at_t0() -> None:
     w = load_workload("seed")
     assert [r.max_new_tokens for r in w.requests] == [6, 50, 300, 30, 180, 45]
-    assert [r.prompt for r in w.requests] == [p for p, _ in SEED_REQUESTS]
+    assert [r.prompt for r in w.requests] == [p for p, _ in DEMO_REQUESTS]  # what `cb demo` runs
     assert all(r.arrival_s == 0 for r in w.requests)
     assert w.requests[0].prompt == "The capital of France is"
 

@@ -174,21 +174,13 @@ def parse_trace(lines: Seq[str], source: str = "trace") -> list[BenchRequest]:
     return requests
 
 
-# The seeds' experiment: six prompts with very different caps, all at t=0.
-SEED_REQUESTS: tuple[tuple[str, int], ...] = (
-    ("The capital of France is", 6),
-    ("Today's weather is so", 50),
-    ("In machine learning, a transformer is", 300),
-    ("Once upon a time in a land far away,", 30),
-    ("Quantum computing differs from classical computing because", 180),
-    ("The history of the Roman Empire began", 45),
-)
-
-
 def seed_workload() -> Workload:
+    """The seeds' experiment (the requests ``cb demo`` runs), all arriving at t=0."""
+    from cbcore.demo import DEMO_REQUESTS
+
     requests = tuple(
         BenchRequest(request_id=f"seed-{i}", arrival_s=0.0, max_new_tokens=cap, prompt=text)
-        for i, (text, cap) in enumerate(SEED_REQUESTS)
+        for i, (text, cap) in enumerate(DEMO_REQUESTS)
     )
     return Workload("seed", requests)
 
