@@ -176,11 +176,14 @@ class PolicyScheduler:
             self.waiting.append(seq)
 
     def state(self, now: float) -> SchedulerState:
-        waiting = list(self.waiting)
+        # Materialised on first read: by the budget policy at the start of the step, or by the
+        # waiting phase, which runs before any change to the queue or not at all (a step that
+        # preempted admits nothing). Most steps with every slot taken never read it.
         if self.queue.fixed_keys:
-            ordered = _OrderedOnDemand(lambda: waiting)
+            ordered = _OrderedOnDemand(lambda: list(self.waiting))
         else:
-            ordered = _OrderedOnDemand(lambda: self.queue.order(waiting, now))  # type: ignore[arg-type,return-value]
+            # A copy even if a policy returns its argument: admission removes from self.waiting.
+            ordered = _OrderedOnDemand(lambda: list(self.queue.order(self.waiting, now)))  # type: ignore[arg-type]
         return SchedulerState(
             now=now,
             step=self.step_index,
