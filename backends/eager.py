@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from cbcore.backend import Backend, block_diagonal_causal_mask
-from cbcore.batch import FlatBatch
-from cbcore.kv_cache import KVCache
+from cbcore.execution.backend import Backend, block_diagonal_causal_mask
+from cbcore.execution.batch import FlatBatch
+from cbcore.execution.kv_cache import KVCache
 
 
 class EagerBackend(Backend):

@@ -36,9 +36,9 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from cbcore.backend import Backend, BackendUnavailable
-from cbcore.batch import FlatBatch
-from cbcore.kv_cache import KVCache
+from cbcore.execution.backend import Backend, BackendUnavailable
+from cbcore.execution.batch import FlatBatch
+from cbcore.execution.kv_cache import KVCache
 from cbcore.log import get_logger
 
 log = get_logger(__name__)

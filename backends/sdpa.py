@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from cbcore.backend import Backend
-from cbcore.batch import FlatBatch
-from cbcore.kv_cache import KVCache
+from cbcore.execution.backend import Backend
+from cbcore.execution.batch import FlatBatch
+from cbcore.execution.kv_cache import KVCache
 
 
 @dataclass(frozen=True)

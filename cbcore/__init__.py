@@ -12,24 +12,34 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "Backend": "cbcore.backend",
-    "BackendUnavailable": "cbcore.backend",
-    "BudgetPolicy": "cbcore.policy",
+    "Backend": "cbcore.execution.backend",
+    "BackendUnavailable": "cbcore.execution.backend",
+    "BudgetPolicy": "cbcore.scheduling.policy",
     "Engine": "cbcore.engine",
     "EngineConfig": "cbcore.config",
-    "FinishReason": "cbcore.sequence",
-    "FlatBatch": "cbcore.batch",
-    "PreemptionPolicy": "cbcore.policy",
-    "PrefillPolicy": "cbcore.policy",
-    "QueuePolicy": "cbcore.policy",
+    "FinishReason": "cbcore.scheduling.sequence",
+    "FlatBatch": "cbcore.execution.batch",
+    "KVView": "cbcore.scheduling.policy",
+    "NoParams": "cbcore.plugins",
+    "PluginError": "cbcore.plugins",
+    "PreemptionPolicy": "cbcore.scheduling.policy",
+    "PrefillPolicy": "cbcore.scheduling.policy",
+    "QueuePolicy": "cbcore.scheduling.policy",
     "RequestError": "cbcore.engine",
     "RequestMetrics": "cbcore.outputs",
     "RequestOutput": "cbcore.outputs",
-    "SamplingParams": "cbcore.sampling_params",
-    "Scheduler": "cbcore.scheduler",
-    "SchedulerOutput": "cbcore.scheduler",
-    "Sequence": "cbcore.sequence",
+    "SamplingParams": "cbcore.scheduling.sampling_params",
+    "Scheduler": "cbcore.scheduling.scheduler",
+    "SchedulerOutput": "cbcore.scheduling.scheduler",
+    "SchedulerPlugin": "cbcore.scheduling.scheduler",
+    "SchedulerStall": "cbcore.scheduling.scheduler",
+    "SchedulerState": "cbcore.scheduling.policy",
+    "Sequence": "cbcore.scheduling.sequence",
+    "SequenceView": "cbcore.scheduling.policy",
+    "StepLimits": "cbcore.scheduling.policy",
+    "StepPlan": "cbcore.scheduling.plan",
     "StepRecord": "cbcore.engine",
+    "StepResult": "cbcore.scheduling.policy",
     "hookimpl": "cbcore.plugins",
 }
 
@@ -41,6 +51,9 @@ __all__ = [
     "EngineConfig",
     "FinishReason",
     "FlatBatch",
+    "KVView",
+    "NoParams",
+    "PluginError",
     "PreemptionPolicy",
     "PrefillPolicy",
     "QueuePolicy",
@@ -50,8 +63,15 @@ __all__ = [
     "SamplingParams",
     "Scheduler",
     "SchedulerOutput",
+    "SchedulerPlugin",
+    "SchedulerStall",
+    "SchedulerState",
     "Sequence",
+    "SequenceView",
+    "StepLimits",
+    "StepPlan",
     "StepRecord",
+    "StepResult",
     "__version__",
     "hookimpl",
 ]
@@ -71,13 +91,24 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from cbcore.backend import Backend, BackendUnavailable
-    from cbcore.batch import FlatBatch
     from cbcore.config import EngineConfig
     from cbcore.engine import Engine, RequestError, StepRecord
+    from cbcore.execution.backend import Backend, BackendUnavailable
+    from cbcore.execution.batch import FlatBatch
     from cbcore.outputs import RequestMetrics, RequestOutput
-    from cbcore.plugins import hookimpl
-    from cbcore.policy import BudgetPolicy, PreemptionPolicy, PrefillPolicy, QueuePolicy
-    from cbcore.sampling_params import SamplingParams
-    from cbcore.scheduler import Scheduler, SchedulerOutput
-    from cbcore.sequence import FinishReason, Sequence
+    from cbcore.plugins import NoParams, PluginError, hookimpl
+    from cbcore.scheduling.plan import StepPlan
+    from cbcore.scheduling.policy import (
+        BudgetPolicy,
+        KVView,
+        PreemptionPolicy,
+        PrefillPolicy,
+        QueuePolicy,
+        SchedulerState,
+        SequenceView,
+        StepLimits,
+        StepResult,
+    )
+    from cbcore.scheduling.sampling_params import SamplingParams
+    from cbcore.scheduling.scheduler import Scheduler, SchedulerOutput, SchedulerPlugin, SchedulerStall
+    from cbcore.scheduling.sequence import FinishReason, Sequence

@@ -12,19 +12,20 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from cbcore.batch import FlatBatch
-from cbcore.block_manager import BlockManager
 from cbcore.config import EngineConfig
+from cbcore.execution.batch import FlatBatch
+from cbcore.execution.runner import KVGeometry, ModelRunner, plan_num_blocks
+from cbcore.execution.sampler import sample
 from cbcore.log import get_logger
 from cbcore.outputs import RequestOutput
 from cbcore.plugins import get_registry
-from cbcore.policy import StepResult
-from cbcore.policy_scheduler import PolicyScheduler
-from cbcore.runner import KVGeometry, ModelRunner, plan_num_blocks
-from cbcore.sampler import sample
-from cbcore.sampling_params import SamplingParams
-from cbcore.scheduler import Scheduler, SchedulerOutput
-from cbcore.sequence import FinishReason, Sequence
+from cbcore.scheduling.block_manager import BlockManager
+from cbcore.scheduling.plan import StepPlan
+from cbcore.scheduling.policy import StepResult
+from cbcore.scheduling.policy_scheduler import PolicyScheduler
+from cbcore.scheduling.sampling_params import SamplingParams
+from cbcore.scheduling.scheduler import Scheduler, SchedulerOutput
+from cbcore.scheduling.sequence import FinishReason, Sequence
 from cbcore.stats import StepStats
 
 log = get_logger(__name__)
@@ -104,7 +105,7 @@ class Engine:
     @classmethod
     def from_pretrained(cls, path: str | None = None, config: EngineConfig | None = None) -> Engine:
         """Load a model directory or hub id (``config.model`` says dtype and device)."""
-        from cbcore.loading import load_model_and_tokenizer
+        from cbcore.models.loading import load_model_and_tokenizer
 
         config = config if config is not None else EngineConfig()
         model, tokenizer = load_model_and_tokenizer(path or config.model.path, config.model)
@@ -168,14 +169,15 @@ class Engine:
         batch = None
         t2 = t3 = t1
         if not out.is_empty:
-            self.runner.swap(out)
-            batch = self.runner.prepare(out)
+            plan = out.to_plan()
+            self.runner.swap(plan)
+            batch = self.runner.prepare(plan)
             t2 = self.clock()
             logits = self.runner.forward(batch)
             if logits.device.type == "cuda":
                 torch.cuda.synchronize()
             t3 = self.clock()
-            outputs.extend(self._postprocess(out, batch, logits))
+            outputs.extend(self._postprocess(out, plan, batch, logits))
         t4 = self.clock()
         blocks = self.scheduler.blocks
         stats = StepStats(
@@ -198,10 +200,10 @@ class Engine:
         return outputs
 
     def _postprocess(
-        self, out: SchedulerOutput, batch: FlatBatch, logits: torch.Tensor
+        self, out: SchedulerOutput, plan: StepPlan, batch: FlatBatch, logits: torch.Tensor
     ) -> list[RequestOutput]:
         sampling = [out.scheduled[i].seq for i in batch.sample_rows]
-        tokens, top = sample(logits, sampling)
+        tokens, top = sample(logits, [plan.rows[i] for i in batch.sample_rows])
         now = self.clock()
         new_token: dict[Sequence, int] = {}
         for seq, token, logprobs in zip(sampling, tokens, top, strict=True):

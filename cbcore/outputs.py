@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from cbcore.sequence import Sequence
+from cbcore.scheduling.sequence import Sequence
 
 
 @dataclass(frozen=True)

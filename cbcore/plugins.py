@@ -24,13 +24,19 @@ from types import ModuleType
 from typing import Any
 
 import pluggy
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 PROJECT = "cbcore"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
 KINDS = ("queue", "budget", "prefill", "preemption", "scheduler", "backend")
+
+
+class NoParams(BaseModel):
+    """The parameters of a plugin that takes none (any key given is an error)."""
+
+    model_config = ConfigDict(extra="forbid")
 
 
 class PluginError(ValueError):
@@ -164,9 +170,9 @@ def _same_class(a: type, b: type) -> bool:
 
 
 def _base_classes() -> dict[str, type]:
-    from cbcore.backend import Backend
-    from cbcore.policy import POLICY_KINDS
-    from cbcore.scheduler import SchedulerPlugin
+    from cbcore.execution.backend import Backend
+    from cbcore.scheduling.policy import POLICY_KINDS
+    from cbcore.scheduling.scheduler import SchedulerPlugin
 
     return {**POLICY_KINDS, "scheduler": SchedulerPlugin, "backend": Backend}
 
@@ -187,7 +193,7 @@ def _identity(cls: type, origin: str) -> tuple[str, str]:
     if not issubclass(cls, base):
         raise PluginError(
             f"{cls.__module__}.{cls.__qualname__} ({origin}) declares kind {kind!r} "
-            f"but does not subclass {base.__module__}.{base.__qualname__}"
+            f"but does not subclass cbcore.{base.__qualname__}"
         )
     params = getattr(cls, "Params", None)
     if not (isinstance(params, type) and issubclass(params, BaseModel)):

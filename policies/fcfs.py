@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cbcore.policy import QueuePolicy, SequenceView
+from cbcore.scheduling.policy import QueuePolicy, SequenceView
 
 
 class FCFS(QueuePolicy):

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from cbcore.policy import PreemptionPolicy, QueuePolicy, SequenceView
+from cbcore.scheduling.policy import PreemptionPolicy, QueuePolicy, SequenceView
 
 Victim = Literal["newest", "lowest-priority", "least-progress", "queue-order"]
 

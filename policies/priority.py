@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from cbcore.policy import QueuePolicy, SequenceView
+from cbcore.scheduling.policy import QueuePolicy, SequenceView
 
 
 class PriorityParams(BaseModel):

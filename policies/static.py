@@ -6,7 +6,7 @@ from collections.abc import Sequence as Seq
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from cbcore.policy import BudgetPolicy, SchedulerState, SequenceView, StepLimits, StepResult
+from cbcore.scheduling.policy import BudgetPolicy, SchedulerState, SequenceView, StepLimits, StepResult
 
 
 class StaticParams(BaseModel):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from cbcore.policy import BudgetPolicy, SchedulerState, StepLimits
+from cbcore.scheduling.policy import BudgetPolicy, SchedulerState, StepLimits
 
 
 class TokenBudgetParams(BaseModel):

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from cbcore.policy import PrefillPolicy, SequenceView
+from cbcore.scheduling.policy import PrefillPolicy, SequenceView
 
 
 class WholePromptParams(BaseModel):

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from cbcore.batch import FlatBatch, build_flat_batch
-from cbcore.kv_cache import KVCache
+from cbcore.execution.batch import FlatBatch, build_flat_batch
+from cbcore.execution.kv_cache import KVCache
 
 # decode rows, a fresh prompt, chunks after earlier context, a one-token prompt
 MIXED_STEP = [(10, 1), (0, 7), (5, 6), (30, 1), (0, 1), (3, 1), (0, 40), (17, 9), (64, 1)]

@@ -20,9 +20,9 @@ from conftest import CAPS, CLIENTS, PRIORITIES, PROMPTS
 
 import cbcore.backends.flash_varlen as fv
 from cbcore import Engine, EngineConfig, SamplingParams
-from cbcore.backend import BackendUnavailable
 from cbcore.backends.eager import EagerBackend
 from cbcore.backends.flash_varlen import FlashVarlenBackend, build_varlen_metadata, varlen_window
+from cbcore.execution.backend import BackendUnavailable
 from cbcore.testing import assert_equivalent, compare_topk, reference_generate, tiny_model
 from cbcore.testing.mixes import available_mixes
 

@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from cbcore import Engine, EngineConfig, RequestError, SamplingParams
-from cbcore.sequence import SequenceStatus
+from cbcore.scheduling.sequence import SequenceStatus
 
 EAGER = {"backend": {"name": "eager"}}
 

@@ -7,9 +7,9 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from cbcore.block_manager import BlockManager
-from cbcore.sampling_params import SamplingParams
-from cbcore.sequence import Sequence
+from cbcore.scheduling.block_manager import BlockManager
+from cbcore.scheduling.sampling_params import SamplingParams
+from cbcore.scheduling.sequence import Sequence
 
 NUM_BLOCKS, BLOCK_SIZE, HOST_BLOCKS = 12, 4, 6
 

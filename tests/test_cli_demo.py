@@ -12,8 +12,8 @@ import re
 
 import pytest
 
-from cbcore import demo
 from cbcore.cli.main import main
+from cbcore.demo import run as demo
 
 SMALL = [
     ("The capital of France is", 3),

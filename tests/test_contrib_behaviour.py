@@ -9,7 +9,7 @@ from cbcore_vtc import VirtualTokenCounter, VTCParams
 from test_scheduler_behaviour import FakeRun, budget
 
 from cbcore.policies import FCFS, ChunkedPrefill, WholePrompt
-from cbcore.policy import QueuePolicy
+from cbcore.scheduling.policy import QueuePolicy
 
 # -- VTC -----------------------------------------------------------------------------
 

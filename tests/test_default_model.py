@@ -7,9 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from cbcore import default_model
 from cbcore.cli.main import main
-from cbcore.loading import ModelLoadError
+from cbcore.models import ModelLoadError, default_model
 
 
 def test_cache_root_follows_env_then_xdg_then_home(monkeypatch, tmp_path):

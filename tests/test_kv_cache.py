@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from cbcore.batch import build_flat_batch
-from cbcore.kv_cache import KVCache
+from cbcore.execution.batch import build_flat_batch
+from cbcore.execution.kv_cache import KVCache
 
 
 def make_cache(host: int = 0) -> KVCache:

@@ -19,7 +19,7 @@ from cbcore.cli.plugins import markdown_reference
 from cbcore.config import EngineConfig
 from cbcore.engine import Engine
 from cbcore.plugins import PluginError, Registry, get_registry
-from cbcore.sampling_params import SamplingParams
+from cbcore.scheduling.sampling_params import SamplingParams
 from cbcore.testing import assert_equivalent, compare_greedy, random_prompts, reference_generate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,7 +124,7 @@ def test_one_file_reached_by_two_routes_is_one_plugin(
     ("body", "message"),
     [
         ("class Bad:\n    name = 'bad'\n", "is not a cbcore plugin: it needs a `name` and a `kind`"),
-        ("class Bad:\n    name = 'bad'\n    kind = 'queue'\n", "does not subclass cbcore.policy.QueuePolicy"),
+        ("class Bad:\n    name = 'bad'\n    kind = 'queue'\n", "does not subclass cbcore.QueuePolicy"),
         (
             "from cbcore import QueuePolicy\nclass Bad(QueuePolicy):\n    name = 'bad'\n    Params = dict\n",
             "`Params` must be a pydantic BaseModel class",
@@ -199,8 +199,8 @@ SERIAL_SCHEDULER = """
     from pydantic import BaseModel, ConfigDict
 
     from cbcore import hookimpl
-    from cbcore.scheduler import ScheduledSeq, SchedulerOutput, SchedulerPlugin
-    from cbcore.sequence import SequenceStatus
+    from cbcore.scheduling.scheduler import ScheduledSeq, SchedulerOutput, SchedulerPlugin
+    from cbcore.scheduling.sequence import SequenceStatus
 
 
     class SerialParams(BaseModel):

@@ -23,9 +23,9 @@ from cbcore.policies.chunked_prefill import ChunkedPrefillParams
 from cbcore.policies.preemption import PreemptionParams, pick_victim
 from cbcore.policies.priority import PriorityParams
 from cbcore.policies.static import StaticParams
-from cbcore.policy import BudgetPolicy, PreemptionPolicy, SchedulerState, StepLimits
-from cbcore.scheduler import SchedulerStall
-from cbcore.sequence import FinishReason, SequenceStatus
+from cbcore.scheduling.policy import BudgetPolicy, PreemptionPolicy, SchedulerState, StepLimits
+from cbcore.scheduling.scheduler import SchedulerStall
+from cbcore.scheduling.sequence import FinishReason, SequenceStatus
 
 
 def view(

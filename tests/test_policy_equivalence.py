@@ -18,7 +18,7 @@ from conftest import CAPS, CLIENTS, PRIORITIES, PROMPTS
 
 from cbcore.config import EngineConfig
 from cbcore.engine import Engine, StepRecord
-from cbcore.sampling_params import SamplingParams
+from cbcore.scheduling.sampling_params import SamplingParams
 from cbcore.testing import assert_equivalent, compare_greedy
 from cbcore.testing.mixes import CONTRIB_QUEUES, SMALL_KV, available_mixes
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from cbcore import Engine, EngineConfig, SamplingParams
-from cbcore.sampler import sample
-from cbcore.sequence import Sequence
+from cbcore.execution.sampler import sample
+from cbcore.scheduling.sequence import Sequence
 
 EAGER = EngineConfig.model_validate({"backend": {"name": "eager"}})
 

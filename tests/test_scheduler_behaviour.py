@@ -19,19 +19,19 @@ from typing import Any
 import pytest
 import torch
 
-from cbcore.block_manager import BlockManager
-from cbcore.kv_cache import KVCache
+from cbcore.execution.kv_cache import KVCache
 from cbcore.policies import FCFS, ChunkedPrefill, Priority, Recompute, Static, Swap, TokenBudget, WholePrompt
 from cbcore.policies.chunked_prefill import ChunkedPrefillParams
 from cbcore.policies.preemption import PreemptionParams
 from cbcore.policies.priority import PriorityParams
 from cbcore.policies.static import StaticParams
 from cbcore.policies.token_budget import TokenBudgetParams
-from cbcore.policy import BudgetPolicy, PreemptionPolicy, PrefillPolicy, QueuePolicy, StepResult
-from cbcore.policy_scheduler import PolicyScheduler
-from cbcore.sampling_params import SamplingParams
-from cbcore.scheduler import SchedulerOutput
-from cbcore.sequence import FinishReason, Sequence
+from cbcore.scheduling.block_manager import BlockManager
+from cbcore.scheduling.policy import BudgetPolicy, PreemptionPolicy, PrefillPolicy, QueuePolicy, StepResult
+from cbcore.scheduling.policy_scheduler import PolicyScheduler
+from cbcore.scheduling.sampling_params import SamplingParams
+from cbcore.scheduling.scheduler import SchedulerOutput
+from cbcore.scheduling.sequence import FinishReason, Sequence
 
 TOKEN = 7
 

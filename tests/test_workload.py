@@ -10,8 +10,9 @@ from statistics import fmean, median, pstdev
 import pytest
 
 from cbcore.bench.generator import arrival_times, generate, parse_spec
-from cbcore.bench.workload import Workload, WorkloadError, load_workload, seed_workload
-from cbcore.demo import DEMO_REQUESTS
+from cbcore.bench.sources import load_workload, seed_workload
+from cbcore.bench.workload import Workload, WorkloadError
+from cbcore.demo.run import DEMO_REQUESTS
 
 VOCAB = 512
 SPECIAL = [0, 1, 2]

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 from cbcore.bench.workload import BenchRequest, Workload
 from cbcore.engine import Engine, RequestError
 from cbcore.outputs import RequestOutput
-from cbcore.sampling_params import SamplingParams
+from cbcore.scheduling.sampling_params import SamplingParams
 from cbcore.stats import StepStats
 
 

@@ -120,8 +120,8 @@ def run(args: argparse.Namespace) -> int:
     from cbcore.bench import report
     from cbcore.bench.generator import is_generator
     from cbcore.bench.metrics import SLO
+    from cbcore.bench.sources import load_workload
     from cbcore.bench.suite import baseline_limits, run_suite
-    from cbcore.bench.workload import load_workload
 
     if args.threads is not None:
         if args.threads < 1:
@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     batch_size, batch_tokens = baseline_limits(configs)
     batch_size = args.batch_size or batch_size
 
-    from cbcore.loading import load_model_and_tokenizer
+    from cbcore.models.loading import load_model_and_tokenizer
 
     model_cfg = configs[0][1].model
     model, tokenizer = load_model_and_tokenizer(model_cfg.path, model_cfg)

@@ -28,7 +28,7 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
 
 
 def run(args: argparse.Namespace) -> int:
-    from cbcore.demo import DEMO_REQUESTS, LABELS, SLOTS, demo_scheduler, run_once, warm_up
+    from cbcore.demo.run import DEMO_REQUESTS, LABELS, SLOTS, demo_scheduler, run_once, warm_up
 
     plot = check_plot_path(args.plot) if args.plot else None
     configs = {
@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"continuous batching: {continuous.wall_s:.2f} s, {continuous.steps} steps")
     print_summary(static, continuous)
     if plot is not None:
-        from cbcore.demo_plot import plot_timelines
+        from cbcore.demo.plot import plot_timelines
 
         prompts = dict(zip(LABELS, (p for p, _ in DEMO_REQUESTS), strict=False))
         plot_timelines([static, continuous], plot, prompts)
@@ -91,7 +91,7 @@ def one_line(text: str) -> str:
 
 
 def print_event(event: Any) -> None:
-    from cbcore.demo import DEMO_REQUESTS, LABELS
+    from cbcore.demo.run import DEMO_REQUESTS, LABELS
 
     prompt, cap = DEMO_REQUESTS[LABELS.index(event.label)] if event.label else ("", 0)
     where = f"[step {event.step:>3}] slot {event.slot}"
@@ -109,7 +109,7 @@ def print_event(event: Any) -> None:
 
 
 def print_mask(record: Any, tracker: Any, tokenizer: Any, shown: set[str]) -> None:
-    from cbcore.demo_mask import render_step
+    from cbcore.demo.mask import render_step
 
     stats = record.stats
     if "prefill" not in shown and stats.num_prefill_tokens and not stats.num_decode_tokens:
@@ -126,7 +126,7 @@ def print_mask(record: Any, tracker: Any, tokenizer: Any, shown: set[str]) -> No
 
 
 def print_summary(static: Any, continuous: Any) -> None:
-    from cbcore.demo import LABELS
+    from cbcore.demo.run import LABELS
 
     print("\n=== summary ===")
     for run in (static, continuous):

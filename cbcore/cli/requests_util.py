@@ -18,7 +18,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from cbcore.cli.main import CLIError
-from cbcore.sampling_params import SamplingParams
+from cbcore.scheduling.sampling_params import SamplingParams
 
 SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")
 

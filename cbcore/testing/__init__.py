@@ -8,6 +8,7 @@ position the two candidates' logits differ by less than ``NEAR_TIE``.
 
 from __future__ import annotations
 
+from cbcore.testing.check import run_equivalence
 from cbcore.testing.compare import (
     NEAR_TIE,
     Comparison,
@@ -29,5 +30,6 @@ __all__ = [
     "compare_topk",
     "random_prompts",
     "reference_generate",
+    "run_equivalence",
     "tiny_model",
 ]

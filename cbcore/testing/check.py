@@ -9,7 +9,7 @@ import torch
 
 from cbcore.config import EngineConfig
 from cbcore.engine import Engine
-from cbcore.sampling_params import SamplingParams
+from cbcore.scheduling.sampling_params import SamplingParams
 from cbcore.testing.compare import EquivalenceReport, compare_greedy, compare_topk
 from cbcore.testing.reference import reference_generate
 from cbcore.testing.tiny_models import random_prompts, tiny_model

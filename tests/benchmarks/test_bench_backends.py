@@ -23,7 +23,7 @@ import pytest
 import torch
 from attention_batches import packed_step, torch_threads
 
-from cbcore.backend import BackendUnavailable
+from cbcore.execution.backend import BackendUnavailable
 from cbcore.plugins import get_registry
 
 DEVICE = torch.device(os.environ.get("CB_BENCH_DEVICE", "cpu"))

@@ -19,10 +19,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cbcore.batch import build_flat_batch
-from cbcore.block_manager import BlockManager
-from cbcore.sampling_params import SamplingParams
-from cbcore.sequence import Sequence
+from cbcore.execution.batch import build_flat_batch
+from cbcore.scheduling.block_manager import BlockManager
+from cbcore.scheduling.sampling_params import SamplingParams
+from cbcore.scheduling.sequence import Sequence
 
 BLOCK_SIZE = 16
 

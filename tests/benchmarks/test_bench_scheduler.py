@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import pytest
 
-from cbcore.block_manager import BlockManager
 from cbcore.plugins import get_registry
-from cbcore.policy_scheduler import PolicyScheduler
-from cbcore.sampling_params import SamplingParams
-from cbcore.sequence import Sequence, SequenceStatus
+from cbcore.scheduling.block_manager import BlockManager
+from cbcore.scheduling.policy_scheduler import PolicyScheduler
+from cbcore.scheduling.sampling_params import SamplingParams
+from cbcore.scheduling.sequence import Sequence, SequenceStatus
 
 NUM_WAITING = 1000
 NUM_RUNNING = 256

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cbcore.plugins import hookimpl
+from cbcore import hookimpl
 from cbcore_mlfq.policy import SkipJoinMLFQ
 
 

@@ -21,7 +21,7 @@ from collections.abc import Sequence as Seq
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from cbcore.policy import QueuePolicy, SequenceView, StepResult
+from cbcore import QueuePolicy, SequenceView, StepResult
 
 
 class MLFQParams(BaseModel):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from cbcore_mlfq import MLFQParams, SkipJoinMLFQ
 
-from cbcore.policy import StepResult
-from cbcore.sampling_params import SamplingParams
-from cbcore.sequence import Sequence
+from cbcore.scheduling.policy import StepResult
+from cbcore.scheduling.sampling_params import SamplingParams
+from cbcore.scheduling.sequence import Sequence
 from cbcore.testing import random_prompts
 
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from cbcore.policy import QueuePolicy, SequenceView
+from cbcore import QueuePolicy, SequenceView
 from cbcore_sjf.predictors import resolve_predictor
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
+from cbcore import SequenceView
 from cbcore.plugins import PluginError, load_class
-from cbcore.policy import SequenceView
 
 
 class Predictor(Protocol):

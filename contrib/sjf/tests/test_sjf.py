@@ -9,8 +9,8 @@ from cbcore_sjf import PREDICTORS, ShortestPredictedJobFirst, SJFParams, registe
 from pydantic import ValidationError
 
 from cbcore.plugins import PluginError
-from cbcore.sampling_params import SamplingParams
-from cbcore.sequence import Sequence
+from cbcore.scheduling.sampling_params import SamplingParams
+from cbcore.scheduling.sequence import Sequence
 from cbcore.testing import random_prompts
 
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence as Seq
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from cbcore.policy import QueuePolicy, SequenceView, StepResult
+from cbcore import QueuePolicy, SequenceView, StepResult
 
 
 class VTCParams(BaseModel):

@@ -6,9 +6,9 @@ import pytest
 from cbcore_vtc import VirtualTokenCounter, VTCParams
 from pydantic import ValidationError
 
-from cbcore.policy import StepResult
-from cbcore.sampling_params import SamplingParams
-from cbcore.sequence import Sequence
+from cbcore.scheduling.policy import StepResult
+from cbcore.scheduling.sampling_params import SamplingParams
+from cbcore.scheduling.sequence import Sequence
 from cbcore.testing import random_prompts
 
 

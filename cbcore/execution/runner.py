@@ -8,13 +8,13 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from cbcore.attention import AttentionContext, check_model_supported, routed_to_cbcore
-from cbcore.backend import Backend
-from cbcore.batch import FlatBatch, build_flat_batch
 from cbcore.config import KVCacheConfig
-from cbcore.kv_cache import KVCache
+from cbcore.execution.attention import AttentionContext, check_model_supported, routed_to_cbcore
+from cbcore.execution.backend import Backend
+from cbcore.execution.batch import FlatBatch, build_flat_batch
+from cbcore.execution.kv_cache import KVCache
 from cbcore.log import get_logger
-from cbcore.scheduler import SchedulerOutput
+from cbcore.scheduling.plan import StepPlan
 
 log = get_logger(__name__)
 
@@ -83,14 +83,9 @@ class ModelRunner:
             mib=round(self.kv_cache.nbytes / 2**20, 1),
         )
 
-    def prepare(self, output: SchedulerOutput) -> FlatBatch:
-        chunks = []
-        sample = []
-        for item in output.scheduled:
-            seq, n = item.seq, item.num_tokens
-            start = seq.num_computed_tokens
-            chunks.append((seq.token_ids[start : start + n], start, seq.block_table))
-            sample.append(start + n == seq.num_tokens)
+    def prepare(self, plan: StepPlan) -> FlatBatch:
+        chunks = [(row.token_ids, row.start, row.block_table) for row in plan.rows]
+        sample = [row.samples for row in plan.rows]
         return build_flat_batch(chunks, sample, self.block_size, self.device)
 
     @torch.inference_mode()
@@ -108,7 +103,7 @@ class ModelRunner:
         self.num_forwards += 1
         return out.logits[0]
 
-    def swap(self, output: SchedulerOutput) -> None:
+    def swap(self, plan: StepPlan) -> None:
         """Apply the step's swap copies before anything overwrites the freed blocks."""
-        self.kv_cache.copy_out(output.swap_out)
-        self.kv_cache.copy_in(output.swap_in)
+        self.kv_cache.copy_out(plan.swap_out)
+        self.kv_cache.copy_in(plan.swap_in)

@@ -24,9 +24,9 @@ import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 
-from cbcore.backend import Backend
-from cbcore.batch import FlatBatch
-from cbcore.kv_cache import KVCache
+from cbcore.execution.backend import Backend
+from cbcore.execution.batch import FlatBatch
+from cbcore.execution.kv_cache import KVCache
 
 IMPLEMENTATION = "cbcore"
 

@@ -14,9 +14,9 @@ from typing import ClassVar
 import torch
 from pydantic import BaseModel
 
-from cbcore.batch import FlatBatch
-from cbcore.kv_cache import KVCache
-from cbcore.policy import NoParams
+from cbcore.execution.batch import FlatBatch
+from cbcore.execution.kv_cache import KVCache
+from cbcore.plugins import NoParams
 
 
 class BackendUnavailable(RuntimeError):

@@ -9,12 +9,9 @@ import torch
 
 from cbcore.config import ModelConfig
 from cbcore.log import get_logger
+from cbcore.models import ModelLoadError
 
 log = get_logger(__name__)
-
-
-class ModelLoadError(RuntimeError):
-    """The model could not be loaded; the message says from where and why."""
 
 
 def resolve_device(device: str) -> torch.device:
@@ -34,7 +31,7 @@ def load_model_and_tokenizer(path: str | None, cfg: ModelConfig) -> tuple[Any, A
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if path is None:
-        from cbcore.default_model import default_model_dir
+        from cbcore.models.default_model import default_model_dir
 
         path = str(default_model_dir())
     device = resolve_device(cfg.device)

@@ -10,20 +10,20 @@ from __future__ import annotations
 
 import torch
 
-from cbcore.sequence import Sequence
+from cbcore.scheduling.plan import RowPlan
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[dict[int, float] | None]]:
-    """``logits[i]`` belongs to ``seqs[i]``; returns tokens and optional top log-probs."""
+def sample(logits: torch.Tensor, rows: list[RowPlan]) -> tuple[list[int], list[dict[int, float] | None]]:
+    """``logits[i]`` belongs to ``rows[i]`` (a sampling row); returns tokens and optional top log-probs."""
     logits = logits.float()
     tokens = logits.argmax(dim=-1).tolist()
-    top: list[dict[int, float] | None] = [None] * len(seqs)
-    want_logprobs = any(s.params.logprobs is not None for s in seqs)
+    top: list[dict[int, float] | None] = [None] * len(rows)
+    want_logprobs = any(r.params.logprobs is not None for r in rows)
     logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-    for i, seq in enumerate(seqs):
-        params = seq.params
+    for i, row in enumerate(rows):
+        params = row.params
         if not params.greedy:
-            tokens[i] = _sample_row(logits[i], params.temperature, params.top_k, params.top_p, seq.generator)
+            tokens[i] = _sample_row(logits[i], params.temperature, params.top_k, params.top_p, row.generator)
         if logprobs is not None and params.logprobs is not None:
             row = logprobs[i]
             values, ids = row.topk(params.logprobs) if params.logprobs else (row[:0], row[:0].long())

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cbcore.sampling_params import SamplingParams
+from cbcore.scheduling.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

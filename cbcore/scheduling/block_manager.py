@@ -7,7 +7,7 @@ memory (and tests can fuzz it) without a model. The tensors themselves live in
 
 from __future__ import annotations
 
-from cbcore.sequence import Sequence
+from cbcore.scheduling.sequence import Sequence
 
 
 class BlockManager:

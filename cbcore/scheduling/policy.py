@@ -1,7 +1,7 @@
 """The four scheduling extension points and the events policies receive.
 
 A policy is a small class with a ``name``, a ``kind`` and a pydantic
-``Params`` model. The composed scheduler (:mod:`cbcore.policy_scheduler`) asks
+``Params`` model. The composed scheduler (:mod:`cbcore.scheduling.policy_scheduler`) asks
 each kind one narrow question per step:
 
 * ``queue``      — in what order should waiting (and running) sequences be served?
@@ -20,11 +20,9 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel
 
-
-class NoParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+from cbcore.plugins import NoParams
 
 
 class SequenceView(Protocol):

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from cbcore.demo import DemoRun
+    from cbcore.demo.run import DemoRun
 
 
 def _segments(timeline: list[list[str | None]], slot: int) -> list[tuple[str, int, int]]:

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from cbcore.backend import block_diagonal_causal_mask
 from cbcore.engine import StepRecord
+from cbcore.execution.backend import block_diagonal_causal_mask
 
 MAX_TOKEN_TEXT = 64
 

@@ -17,8 +17,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from cbcore.loading import ModelLoadError
 from cbcore.log import get_logger
+from cbcore.models import ModelLoadError
 
 log = get_logger(__name__)
 

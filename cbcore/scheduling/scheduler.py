@@ -6,9 +6,11 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol, runtime_checkable
 
-from cbcore.block_manager import BlockManager
-from cbcore.policy import NoParams, StepResult
-from cbcore.sequence import Sequence
+from cbcore.plugins import NoParams
+from cbcore.scheduling.block_manager import BlockManager
+from cbcore.scheduling.plan import RowPlan, StepPlan
+from cbcore.scheduling.policy import StepResult
+from cbcore.scheduling.sequence import Sequence
 
 
 @dataclass(slots=True)
@@ -49,6 +51,24 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+    def to_plan(self) -> StepPlan:
+        """The plain-data plan the runner and sampler execute."""
+        rows = []
+        for item in self.scheduled:
+            seq, n = item.seq, item.num_tokens
+            start = seq.num_computed_tokens
+            samples = start + n == seq.num_tokens
+            rows.append(
+                RowPlan(
+                    seq.token_ids[start : start + n],
+                    start,
+                    seq.block_table,
+                    seq.params if samples else None,
+                    seq.generator if samples else None,
+                )
+            )
+        return StepPlan(rows, self.swap_out, self.swap_in)
 
 
 @runtime_checkable

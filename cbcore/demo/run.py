@@ -18,7 +18,7 @@ from typing import Any, Literal
 from cbcore.config import EngineConfig
 from cbcore.engine import Engine, StepRecord
 from cbcore.outputs import RequestOutput
-from cbcore.sampling_params import SamplingParams
+from cbcore.scheduling.sampling_params import SamplingParams
 
 # (prompt, max new tokens), in arrival order, as in the seeds.
 DEMO_REQUESTS: list[tuple[str, int]] = [

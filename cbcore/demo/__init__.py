@@ -1,0 +1,1 @@
+"""`cb demo`: static waves vs continuous batching on the seeds' six requests."""

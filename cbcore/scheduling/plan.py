@@ -1,0 +1,41 @@
+"""The plan of one step as the execution side reads it: plain data, no scheduler objects.
+
+The scheduler decides with :class:`~cbcore.scheduling.sequence.Sequence` objects;
+the engine turns its decision into this plan, and the runner and sampler see
+nothing else. So execution code cannot reach into a sequence's state, and a
+scheduler can change its bookkeeping without touching the runner.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from cbcore.scheduling.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class RowPlan:
+    """One sequence's share of the step."""
+
+    token_ids: list[int]  # the tokens computed this step
+    start: int  # position of the first of them (= tokens of this sequence already in the KV cache)
+    block_table: list[int]  # the sequence's KV blocks, covering start + len(token_ids) tokens
+    # Set when the row's last token is the sequence's last (its logits pick the next token);
+    # None for a prefill chunk that is not the last.
+    params: SamplingParams | None = None
+    generator: torch.Generator | None = None  # the request's own RNG, when it is seeded
+
+    @property
+    def samples(self) -> bool:
+        return self.params is not None
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    rows: list[RowPlan] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)

@@ -1,0 +1,238 @@
+"""The composed scheduler: one queue, budget, prefill and preemption policy.
+
+Each step runs three phases over the policies' answers. In decode-first
+order they run as listed; prefill-first admits waiting prompts first, then
+serves the running sequences (prefills before decodes), then the swapped ones:
+
+1. running   — decodes and ongoing prefill chunks, in queue order; when the KV
+               cache cannot grow, the preemption policy evicts a victim among
+               the running sequences not yet scheduled this step (possibly the
+               sequence itself, which then waits);
+2. swapped   — sequences evicted by swap come back before anything new starts;
+3. waiting   — admissions in queue order of those the budget policy admits,
+               stopping at the first that does not fit (no overtaking). A
+               queue policy with ``preempts_running`` may evict lower-ranked
+               running sequences to get a slot or KV blocks. Skipped while
+               anything is swapped out, and in a step that preempted or
+               swapped in: memory is tight and new work would only be
+               evicted again.
+
+Within one step every swap-out is planned before any swap-in. The runner
+copies out before it copies in, so this order is what makes it safe for a
+swap-in to reuse a device block that a swap-out of the same step just freed,
+and impossible for a swap-out to overwrite a host block that a swap-in of the
+same step still has to read.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from cbcore.scheduling.admission import Admission
+from cbcore.scheduling.block_manager import BlockManager
+from cbcore.scheduling.eviction import Eviction
+from cbcore.scheduling.plan_builder import OrderedOnDemand, PlanBuilder, check_swap_order
+from cbcore.scheduling.policy import (
+    BudgetPolicy,
+    PreemptionPolicy,
+    PrefillPolicy,
+    QueuePolicy,
+    SchedulerState,
+    StepResult,
+)
+from cbcore.scheduling.scheduler import SchedulerOutput, SchedulerStall
+from cbcore.scheduling.sequence import FinishReason, Sequence, SequenceStatus
+
+
+class PolicyScheduler(Admission, Eviction):
+    """Implements :class:`cbcore.scheduling.scheduler.Scheduler` from four narrow policies."""
+
+    def __init__(
+        self,
+        queue: QueuePolicy,
+        budget: BudgetPolicy,
+        prefill: PrefillPolicy,
+        preemption: PreemptionPolicy,
+        blocks: BlockManager,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.queue = queue
+        self.budget = budget
+        self.prefill = prefill
+        self.preemption = preemption
+        self.blocks = blocks
+        self.clock = clock
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.swapped: list[Sequence] = []
+        self._by_id: dict[str, Sequence] = {}
+        self._keys: dict[Sequence, Any] = {}  # stored queue keys, when the queue has fixed_keys
+        self.step_index = 0
+        self.num_preemptions = 0
+        self.num_swap_fallbacks = 0
+        self.num_partial_prefills = 0  # scheduled prefill chunks shorter than what was pending
+
+    @property
+    def policies(self) -> tuple[QueuePolicy, BudgetPolicy, PrefillPolicy, PreemptionPolicy]:
+        return (self.queue, self.budget, self.prefill, self.preemption)
+
+    # -- protocol ------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        if seq.request_id in self._by_id:
+            raise ValueError(f"request id {seq.request_id!r} is already in the scheduler")
+        self._by_id[seq.request_id] = seq
+        now = self.clock()
+        for policy in self.policies:
+            policy.on_arrival(seq, now)
+        if self.queue.fixed_keys:
+            self._keys[seq] = self.queue.key(seq, now)
+        self._enqueue(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def get(self, request_id: str) -> Sequence | None:
+        return self._by_id.get(request_id)
+
+    def in_queue_order(self, seqs: Seq[Sequence], now: float) -> list[Sequence]:
+        if self.queue.fixed_keys:
+            return sorted(seqs, key=self._keys.__getitem__)
+        return self.queue.order(seqs, now)  # type: ignore[return-value]
+
+    def _enqueue(self, seq: Sequence) -> None:
+        """Into the waiting queue; kept sorted when keys are fixed, so a step need not sort it."""
+        seq.status = SequenceStatus.WAITING
+        if self.queue.fixed_keys:
+            bisect.insort(self.waiting, seq, key=self._keys.__getitem__)
+        else:
+            self.waiting.append(seq)
+
+    def state(self, now: float) -> SchedulerState:
+        # Materialised on first read: by the budget policy at the start of the step, or by the
+        # waiting phase, which runs before any change to the queue or not at all (a step that
+        # preempted admits nothing). Most steps with every slot taken never read it.
+        if self.queue.fixed_keys:
+            ordered = OrderedOnDemand(lambda: list(self.waiting))
+        else:
+            # A copy even if a policy returns its argument: admission removes from self.waiting.
+            ordered = OrderedOnDemand(lambda: list(self.queue.order(self.waiting, now)))  # type: ignore[arg-type]
+        return SchedulerState(
+            now=now,
+            step=self.step_index,
+            waiting=ordered,
+            running=tuple(self.running),
+            swapped=tuple(self.swapped),
+            kv=self.blocks,
+        )
+
+    def schedule(self) -> SchedulerOutput:
+        now = self.clock()
+        self.step_index += 1
+        state = self.state(now)
+        limits = self.budget.limits(state)
+        plan = PlanBuilder(SchedulerOutput(), limits.max_num_tokens, limits.max_num_seqs)
+        self.prefill.begin_step()
+        if self.prefill.order == "decode-first":
+            phases = (self._schedule_running, self._schedule_swapped, self._schedule_waiting)
+        else:
+            phases = (self._schedule_waiting, self._schedule_running, self._schedule_swapped)
+        for phase in phases:
+            phase(plan, state, limits.max_num_seqs)
+        out = plan.out
+        self.num_partial_prefills += len(plan.partials)
+        check_swap_order(out)
+        if out.is_empty and not out.failed and not out.preempted and self.has_unfinished():
+            raise SchedulerStall(
+                f"step {self.step_index}: nothing scheduled with {len(self.waiting)} waiting, "
+                f"{len(self.running)} running, {len(self.swapped)} swapped; limits {limits}, "
+                f"policies {[p.name for p in self.policies]}"
+            )
+        return out
+
+    def on_step_end(self, output: SchedulerOutput, results: Seq[StepResult]) -> None:
+        now = self.clock()
+        for policy in self.policies:
+            policy.on_step_end(results, now)
+        finished = [s.seq for s in output.scheduled if s.seq.is_finished]
+        if not finished:
+            return
+        done = set(finished)
+        self.running = [s for s in self.running if s not in done]
+        for seq in finished:
+            self.blocks.free(seq)
+            self._forget(seq, now)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        seq = self._by_id.get(request_id)
+        if seq is None:
+            return None
+        self._remove(seq)
+        now = self.clock()
+        seq.finish(FinishReason.ABORT, now)
+        self._forget(seq, now)
+        return seq
+
+    # -- phases --------------------------------------------------------------
+
+    def _tokens_for(self, seq: Sequence, plan: PlanBuilder) -> int:
+        if seq.num_pending_tokens == 1:
+            return 1
+        n = self.prefill.num_tokens(seq, plan.tokens_left, plan.empty)
+        return max(0, min(n, seq.num_pending_tokens))
+
+    def _schedule_running(self, plan: PlanBuilder, state: SchedulerState, max_seqs: int) -> None:
+        order = [s for s in self.in_queue_order(self.running, state.now) if s not in plan.tokens]
+        # Queue order within decodes and within prefills.
+        decodes: list[Sequence] = []
+        prefills: list[Sequence] = []
+        for seq in order:
+            (prefills if seq.is_prefilling else decodes).append(seq)
+        groups = (decodes, prefills) if self.prefill.order == "decode-first" else (prefills, decodes)
+        for group in groups:
+            if group is decodes and self._schedule_all_decodes(decodes, plan):
+                continue
+            for seq in group:
+                if seq.status is not SequenceStatus.RUNNING or seq in plan.tokens:
+                    continue  # evicted as a victim earlier in this loop
+                if plan.seqs_left <= 0 or plan.tokens_left <= 0:
+                    break
+                n = self._tokens_for(seq, plan)
+                if n > 0 and self._make_room(seq, n, plan, state.now):
+                    plan.add(seq, n)
+
+    def _schedule_all_decodes(self, decodes: list[Sequence], plan: PlanBuilder) -> bool:
+        """Schedule every decode at once if all of them fit: the common step, without
+        the per-sequence eviction checks (same plan and block ids as the loop would give)."""
+        if len(decodes) > min(plan.seqs_left, plan.tokens_left):
+            return False
+        needy = self.blocks.needing_a_block(decodes)
+        if len(needy) > self.blocks.num_free_blocks:
+            return False
+        for seq in needy:
+            self.blocks.grow(seq, 1)
+        plan.add_decodes(decodes)
+        return True
+
+    def _schedule_swapped(self, plan: PlanBuilder, state: SchedulerState, max_seqs: int) -> None:
+        if not self.swapped:
+            return
+        just_evicted = set(plan.out.preempted)
+        for seq in self.in_queue_order(self.swapped, state.now):
+            if seq in just_evicted:
+                continue
+            if plan.seqs_left <= 0 or plan.tokens_left <= 0 or len(self.running) >= max_seqs:
+                break
+            n = self._tokens_for(seq, plan)
+            if n <= 0 or not self.blocks.can_swap_in(seq, n):
+                break
+            plan.out.swap_in.extend(self.blocks.swap_in(seq))
+            self.swapped.remove(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self.blocks.grow(seq, n)
+            plan.add(seq, n)

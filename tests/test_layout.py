@@ -1,0 +1,109 @@
+"""The shape of the package: who may import whom, and that every documented name exists.
+
+The folders are meant to be read as the data flow (scheduling decides,
+execution runs, the engine joins them); these checks keep later work from
+quietly bending that shape.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+
+import cbcore
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "cbcore"
+OUTSIDE = ("cbcore.policies", "cbcore.backends", "cbcore_")  # plugins: built-in folders and contrib packages
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module a file imports, including lazy imports inside functions and TYPE_CHECKING blocks."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def _modules(folder: Path) -> list[Path]:
+    return sorted(folder.rglob("*.py"))
+
+
+def test_scheduling_imports_nothing_from_execution() -> None:
+    bad = {
+        f"{p.relative_to(ROOT)} imports {m}"
+        for p in _modules(PKG / "scheduling")
+        for m in _imports(p)
+        if m.startswith(("cbcore.execution", "cbcore.engine", "torch.nn", "transformers"))
+    }
+    assert not bad, sorted(bad)
+
+
+def test_execution_takes_only_the_plan_from_scheduling() -> None:
+    bad = {
+        f"{p.relative_to(ROOT)} imports {m}"
+        for p in _modules(PKG / "execution")
+        for m in _imports(p)
+        if (m.startswith("cbcore.scheduling") and not m.startswith("cbcore.scheduling.plan"))
+        or m.startswith("cbcore.engine")
+    }
+    assert not bad, sorted(bad)
+
+
+def test_core_imports_no_plugin_except_to_register_it() -> None:
+    core = [*PKG.glob("*.py"), *_modules(PKG / "scheduling"), *_modules(PKG / "execution"), *_modules(PKG / "models")]
+    bad = {
+        f"{p.relative_to(ROOT)} imports {m}"
+        for p in core
+        if p.name != "plugins.py"  # registration: the one place that loads the built-in plugin folders
+        for m in _imports(p)
+        if m.startswith(OUTSIDE)
+    }
+    assert not bad, sorted(bad)
+
+
+def test_the_import_rule_check_sees_lazy_imports(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f():\n    from cbcore.execution.runner import ModelRunner\n")
+    assert "cbcore.execution.runner" in _imports(probe)
+
+
+@pytest.mark.parametrize("name", cbcore.__all__)
+def test_every_public_name_imports_from_the_top(name: str) -> None:
+    assert getattr(cbcore, name) is not None
+
+
+def _documented_modules() -> set[str]:
+    texts = [p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]]
+    refs = set()
+    for text in texts:
+        refs.update(re.findall(r"\bcbcore(?:\.[A-Za-z_]+)+", text))
+        refs.update(m.replace("/", ".")[:-3] for m in re.findall(r"\bcbcore/[\w/]+\.py", text))
+    return refs
+
+
+def _resolve(ref: str) -> object:
+    """A dotted reference is a module or an attribute of one (``cbcore.testing.run_equivalence``)."""
+    parts = ref.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj: object = importlib.import_module(".".join(parts[:cut]))
+        except ModuleNotFoundError:
+            continue
+        for attr in parts[cut:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ModuleNotFoundError(ref)
+
+
+@pytest.mark.parametrize("ref", sorted(_documented_modules()))
+def test_every_module_path_in_the_docs_exists(ref: str) -> None:
+    _resolve(ref)
