@@ -17,6 +17,7 @@ _EXPORTS = {
     "BudgetPolicy": "cbcore.scheduling.policy",
     "Engine": "cbcore.engine",
     "EngineConfig": "cbcore.config",
+    "EngineLoad": "cbcore.stats",
     "FinishReason": "cbcore.scheduling.sequence",
     "FlatBatch": "cbcore.execution.batch",
     "KVView": "cbcore.scheduling.policy",
@@ -49,6 +50,7 @@ __all__ = [
     "BudgetPolicy",
     "Engine",
     "EngineConfig",
+    "EngineLoad",
     "FinishReason",
     "FlatBatch",
     "KVView",
@@ -112,3 +114,4 @@ if TYPE_CHECKING:
     from cbcore.scheduling.sampling_params import SamplingParams
     from cbcore.scheduling.scheduler import Scheduler, SchedulerOutput, SchedulerPlugin, SchedulerStall
     from cbcore.scheduling.sequence import FinishReason, Sequence
+    from cbcore.stats import EngineLoad

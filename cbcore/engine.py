@@ -26,7 +26,7 @@ from cbcore.scheduling.policy_scheduler import PolicyScheduler
 from cbcore.scheduling.sampling_params import SamplingParams
 from cbcore.scheduling.scheduler import Scheduler, SchedulerOutput
 from cbcore.scheduling.sequence import FinishReason, Sequence
-from cbcore.stats import StepStats
+from cbcore.stats import EngineLoad, StepStats
 
 log = get_logger(__name__)
 
@@ -98,6 +98,7 @@ class Engine:
         self.max_model_len = config.model.max_model_len or getattr(text_cfg, "max_position_embeddings", None)
         self.step_stats: list[StepStats] = []
         self.step_listeners: list[Callable[[StepRecord], None]] = []
+        self.num_preemptions_total = 0  # counted here, so that it holds for any Scheduler
         self._ids = itertools.count()
 
     # -- construction --------------------------------------------------------
@@ -158,6 +159,21 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def load(self) -> EngineLoad:
+        """A snapshot of queue lengths, KV use and counters (read it between steps)."""
+        sched = self.scheduler
+        blocks = sched.blocks
+        return EngineLoad(
+            num_waiting=len(getattr(sched, "waiting", ())),
+            num_running=len(getattr(sched, "running", ())),
+            num_swapped=len(getattr(sched, "swapped", ())),
+            kv_blocks_used=blocks.num_used_blocks,
+            kv_blocks_total=blocks.num_blocks,
+            num_preemptions_total=self.num_preemptions_total,
+            prefix_cache_queries_tokens=getattr(blocks, "prefix_cache_queries_tokens", 0),
+            prefix_cache_hits_tokens=getattr(blocks, "prefix_cache_hits_tokens", 0),
+        )
+
     # -- the loop ------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
@@ -165,6 +181,7 @@ class Engine:
         t0 = self.clock()
         out = self.scheduler.schedule()
         t1 = self.clock()
+        self.num_preemptions_total += len(out.preempted)
         outputs = [RequestOutput.of(seq, [], self._text(seq)) for seq in out.failed]
         batch = None
         t2 = t3 = t1

@@ -33,3 +33,26 @@ class StepStats:
     def is_mixed(self) -> bool:
         """Prefill and decode tokens shared this step's forward."""
         return self.num_prefill_tokens > 0 and self.num_decode_tokens > 0
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """How busy an engine is right now: what ``/metrics``, routers and benchmarks read.
+
+    A snapshot taken between steps, so it is consistent with itself. Schedulers
+    that keep no waiting/running/swapped lists report 0 for those counts.
+    """
+
+    num_waiting: int
+    num_running: int
+    num_swapped: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    num_preemptions_total: int
+    prefix_cache_queries_tokens: int = 0
+    prefix_cache_hits_tokens: int = 0
+
+    @property
+    def kv_usage(self) -> float:
+        """Share of the device KV pool in use (0.0 to 1.0)."""
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
