@@ -29,6 +29,10 @@ _EXPORTS = {
     "RequestError": "cbcore.engine",
     "RequestMetrics": "cbcore.outputs",
     "RequestOutput": "cbcore.outputs",
+    "ReplicaView": "cbcore.scheduling.router",
+    "RouteRequest": "cbcore.scheduling.router",
+    "Router": "cbcore.scheduling.router",
+    "RouterError": "cbcore.scheduling.router",
     "SamplingParams": "cbcore.scheduling.sampling_params",
     "Scheduler": "cbcore.scheduling.scheduler",
     "SchedulerOutput": "cbcore.scheduling.scheduler",
@@ -59,9 +63,13 @@ __all__ = [
     "PreemptionPolicy",
     "PrefillPolicy",
     "QueuePolicy",
+    "ReplicaView",
     "RequestError",
     "RequestMetrics",
     "RequestOutput",
+    "RouteRequest",
+    "Router",
+    "RouterError",
     "SamplingParams",
     "Scheduler",
     "SchedulerOutput",
@@ -111,6 +119,7 @@ if TYPE_CHECKING:
         StepLimits,
         StepResult,
     )
+    from cbcore.scheduling.router import ReplicaView, Router, RouteRequest, RouterError
     from cbcore.scheduling.sampling_params import SamplingParams
     from cbcore.scheduling.scheduler import Scheduler, SchedulerOutput, SchedulerPlugin, SchedulerStall
     from cbcore.scheduling.sequence import FinishReason, Sequence

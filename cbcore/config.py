@@ -89,6 +89,9 @@ class EngineConfig(BaseModel):
 
     scheduler: SchedulerConfig = SchedulerConfig()
     backend: PluginSpec = PluginSpec(name="sdpa")
+    # Which replica serves a request when several engines share the load (`cb serve --replicas`,
+    # simulation with replicas); a single engine never reads it.
+    router: PluginSpec = PluginSpec(name="least-loaded")
     kv_cache: KVCacheConfig = KVCacheConfig()
     model: ModelConfig = ModelConfig()
     plugins: list[str] = Field(
@@ -106,6 +109,7 @@ class EngineConfig(BaseModel):
             spec: PluginSpec = getattr(self.scheduler, slot)
             registry.validate(slot, spec.name, spec.params, f"scheduler.{slot}")
         registry.validate("backend", self.backend.name, self.backend.params, "backend")
+        registry.validate("router", self.router.name, self.router.params, "router")
         return self
 
     # -- loading -------------------------------------------------------------

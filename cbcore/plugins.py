@@ -30,7 +30,7 @@ PROJECT = "cbcore"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
-KINDS = ("queue", "budget", "prefill", "preemption", "scheduler", "backend")
+KINDS = ("queue", "budget", "prefill", "preemption", "scheduler", "router", "backend")
 
 
 class NoParams(BaseModel):
@@ -46,7 +46,7 @@ class PluginError(ValueError):
 class HookSpecs:
     @hookspec
     def cbcore_register_policies(self) -> list[type]:
-        """Return policy classes (queue, budget, prefill, preemption or whole-scheduler kinds)."""
+        """Return policy classes (queue, budget, prefill, preemption, whole-scheduler or router kinds)."""
 
     @hookspec
     def cbcore_register_backends(self) -> list[type]:
@@ -172,9 +172,10 @@ def _same_class(a: type, b: type) -> bool:
 def _base_classes() -> dict[str, type]:
     from cbcore.execution.backend import Backend
     from cbcore.scheduling.policy import POLICY_KINDS
+    from cbcore.scheduling.router import Router
     from cbcore.scheduling.scheduler import SchedulerPlugin
 
-    return {**POLICY_KINDS, "scheduler": SchedulerPlugin, "backend": Backend}
+    return {**POLICY_KINDS, "scheduler": SchedulerPlugin, "router": Router, "backend": Backend}
 
 
 def _identity(cls: type, origin: str) -> tuple[str, str]:

@@ -7,6 +7,7 @@ from cbcore.policies.chunked_prefill import ChunkedPrefill
 from cbcore.policies.fcfs import FCFS
 from cbcore.policies.preemption import Recompute, Swap
 from cbcore.policies.priority import Priority
+from cbcore.policies.routers import BUILTIN_ROUTERS, LeastLoaded, PowerOfTwo, PrefixAffinity, RoundRobin
 from cbcore.policies.static import Static
 from cbcore.policies.token_budget import TokenBudget
 from cbcore.policies.whole_prompt import WholePrompt
@@ -16,15 +17,20 @@ BUILTIN_POLICIES = [FCFS, Priority, TokenBudget, Static, WholePrompt, ChunkedPre
 
 @hookimpl
 def cbcore_register_policies() -> list[type]:
-    return list(BUILTIN_POLICIES)
+    return [*BUILTIN_POLICIES, *BUILTIN_ROUTERS]
 
 
 __all__ = [
     "BUILTIN_POLICIES",
+    "BUILTIN_ROUTERS",
     "FCFS",
     "ChunkedPrefill",
+    "LeastLoaded",
+    "PowerOfTwo",
+    "PrefixAffinity",
     "Priority",
     "Recompute",
+    "RoundRobin",
     "Static",
     "Swap",
     "TokenBudget",

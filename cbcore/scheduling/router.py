@@ -1,0 +1,124 @@
+"""The fifth extension point: which replica serves a request.
+
+When several engines (replicas) serve one model, a router picks a replica for
+each arriving request. It is a policy like the four per-engine kinds: a class
+with a ``name``, ``kind = "router"`` and a pydantic ``Params`` model,
+registered through ``cbcore_register_policies`` and named in the config
+(``router: {name: least-loaded}``). The same class runs behind the Ray Serve
+application (:mod:`cbcore.scale`) and in simulation with N replicas.
+
+A router sees, per replica, a :class:`ReplicaView`: the replica's own load
+snapshot (``Engine.load()``: waiting, running, KV blocks), refreshed every
+``load_interval_s`` and therefore possibly stale, and the router's exact
+count of requests it has sent there that have not finished. It sees the
+request as a :class:`RouteRequest`: prompt token ids (for cache affinity),
+priority and client id. Whatever a router returns is checked by
+:func:`checked_choice`; a wrong answer is a :class:`RouterError` naming the
+plugin, never a request sent nowhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from typing import ClassVar, Protocol
+
+from pydantic import BaseModel
+
+from cbcore.plugins import NoParams
+
+
+class LoadView(Protocol):
+    """The part of an engine's load snapshot routers read (``cbcore.stats.EngineLoad`` fits it)."""
+
+    num_waiting: int
+    num_running: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+
+
+@dataclass(frozen=True)
+class ReplicaView:
+    """What a router may read about one replica."""
+
+    replica_id: str
+    #: The replica's last reported load, or None before its first report.
+    load: LoadView | None = None
+    #: Seconds since ``load`` was taken (by the router's clock).
+    load_age_s: float = 0.0
+    #: Requests this router sent to the replica that have not finished yet.
+    num_in_flight: int = 0
+
+    @property
+    def queue_len(self) -> int:
+        """Waiting + running requests the replica last reported (0 before a report)."""
+        return 0 if self.load is None else self.load.num_waiting + self.load.num_running
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of KV blocks in use at the last report (0.0 before a report)."""
+        if self.load is None or self.load.kv_blocks_total <= 0:
+            return 0.0
+        return self.load.kv_blocks_used / self.load.kv_blocks_total
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """What a router may read about the request being placed."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...] = field(default=(), repr=False)
+    priority: int = 0
+    client_id: str = "default"
+
+
+class RouterError(RuntimeError):
+    """A router answered something that names no candidate replica."""
+
+
+class Router:
+    """Base of every router. Override :meth:`choose`; the events are optional."""
+
+    name: ClassVar[str]
+    kind: ClassVar[str] = "router"
+    Params: ClassVar[type[BaseModel]] = NoParams
+
+    def __init__(self, params: BaseModel | None = None) -> None:
+        self.params = params if params is not None else self.Params()
+
+    def choose(self, request: RouteRequest, replicas: Seq[ReplicaView]) -> str:
+        """Return the ``replica_id`` of one of ``replicas`` (never empty, sorted by id)."""
+        raise NotImplementedError
+
+    def rank(self, request: RouteRequest, replicas: Seq[ReplicaView]) -> list[str]:
+        """Replica ids, most preferred first: where to go when the first choice cannot take it.
+
+        The default puts :meth:`choose`'s answer first and the others by
+        fewest requests in flight.
+        """
+        first = checked_choice(self, request, replicas)
+        rest = sorted((r for r in replicas if r.replica_id != first), key=lambda r: (r.num_in_flight, r.replica_id))
+        return [first, *(r.replica_id for r in rest)]
+
+    # Events: a request placed on a replica, and a request that left it (finished, failed or aborted).
+    def on_routed(self, request: RouteRequest, replica_id: str) -> None: ...
+    def on_done(self, request_id: str, replica_id: str) -> None: ...
+
+
+def checked_choice(router: Router, request: RouteRequest, replicas: Seq[ReplicaView]) -> str:
+    """Ask ``router`` for a replica and verify the answer names one of ``replicas``."""
+    if not replicas:
+        raise RouterError(f"no replica is available to serve request {request.request_id!r}")
+    answer = router.choose(request, replicas)
+    if not any(r.replica_id == answer for r in replicas):
+        raise RouterError(
+            f"router {type(router).__module__}.{type(router).__qualname__} ({router.name!r}) chose "
+            f"{answer!r} for request {request.request_id!r}, which is not one of the candidate "
+            f"replicas {[r.replica_id for r in replicas]}"
+        )
+    return answer
+
+
+def least_in_flight(replicas: Seq[ReplicaView]) -> ReplicaView:
+    """The replica with the fewest requests in flight (ties: smallest id)."""
+    return min(replicas, key=lambda r: (r.num_in_flight, r.replica_id))
