@@ -36,6 +36,7 @@ _EXPORTS = {
     "SamplingParams": "cbcore.scheduling.sampling_params",
     "Scheduler": "cbcore.scheduling.scheduler",
     "SchedulerOutput": "cbcore.scheduling.scheduler",
+    "SchedulerError": "cbcore.scheduling.scheduler",
     "SchedulerPlugin": "cbcore.scheduling.scheduler",
     "SchedulerStall": "cbcore.scheduling.scheduler",
     "SchedulerState": "cbcore.scheduling.policy",
@@ -72,6 +73,7 @@ __all__ = [
     "RouterError",
     "SamplingParams",
     "Scheduler",
+    "SchedulerError",
     "SchedulerOutput",
     "SchedulerPlugin",
     "SchedulerStall",
@@ -121,6 +123,12 @@ if TYPE_CHECKING:
     )
     from cbcore.scheduling.router import ReplicaView, Router, RouteRequest, RouterError
     from cbcore.scheduling.sampling_params import SamplingParams
-    from cbcore.scheduling.scheduler import Scheduler, SchedulerOutput, SchedulerPlugin, SchedulerStall
+    from cbcore.scheduling.scheduler import (
+        Scheduler,
+        SchedulerError,
+        SchedulerOutput,
+        SchedulerPlugin,
+        SchedulerStall,
+    )
     from cbcore.scheduling.sequence import FinishReason, Sequence
     from cbcore.stats import EngineLoad

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +23,14 @@ from cbcore.scheduling.block_manager import BlockManager
 from cbcore.scheduling.plan import StepPlan
 from cbcore.scheduling.policy import StepResult
 from cbcore.scheduling.policy_scheduler import PolicyScheduler
+from cbcore.scheduling.request_fields import (
+    FieldError,
+    check_client_id,
+    check_deadline,
+    check_priority,
+    check_request_id,
+    freeze_attrs,
+)
 from cbcore.scheduling.sampling_params import SamplingParams
 from cbcore.scheduling.scheduler import Scheduler, SchedulerOutput
 from cbcore.scheduling.sequence import FinishReason, Sequence
@@ -122,15 +130,35 @@ class Engine:
         request_id: str | None = None,
         priority: int = 0,
         client_id: str = "default",
+        deadline_s: float | None = None,
+        attrs: Mapping[str, Any] | None = None,
         arrival_time: float | None = None,
     ) -> str:
-        """Queue one request and return its id; raises :class:`RequestError` on bad input."""
+        """Queue one request and return its id; raises :class:`RequestError` on bad input.
+
+        ``priority``, ``client_id``, ``deadline_s`` (seconds after arrival) and
+        ``attrs`` (JSON values) are what policies read to tell requests apart;
+        they are checked strictly (no coercion) and ``attrs`` is stored as a
+        read-only copy. Nothing is registered unless every check passes.
+        """
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise RequestError(f"params must be SamplingParams, got {type(params).__name__}")
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
-        elif self.scheduler_has(request_id):
+        try:
+            check_request_id(request_id)
+            fields = dict(
+                priority=check_priority(priority),
+                client_id=check_client_id(client_id),
+                deadline_s=check_deadline(deadline_s),
+                attrs=freeze_attrs(attrs),
+            )
+        except FieldError as exc:
+            raise RequestError(f"request {request_id!r}: {exc}") from None
+        if arrival_time is not None and (isinstance(arrival_time, bool) or not isinstance(arrival_time, int | float)):
+            raise RequestError(f"request {request_id!r}: arrival_time must be a number, got {arrival_time!r}")
+        if self.scheduler_has(request_id):
             raise RequestError(f"request id {request_id!r} is already in use")
         token_ids = self._encode(prompt, request_id)
         self._validate(token_ids, request_id)
@@ -138,9 +166,8 @@ class Engine:
             request_id=request_id,
             prompt_token_ids=token_ids,
             params=params,
-            priority=priority,
-            client_id=client_id,
-            arrival_time=self.clock() if arrival_time is None else arrival_time,
+            arrival_time=self.clock() if arrival_time is None else float(arrival_time),
+            **fields,
         )
         self.scheduler.add(seq)
         return request_id
@@ -254,41 +281,64 @@ class Engine:
         prompts: Seq[Prompt],
         params: SamplingParams | Seq[SamplingParams] | None = None,
         *,
-        priorities: Seq[int] | None = None,
-        client_ids: Seq[str] | None = None,
+        priorities: int | Seq[int] | None = None,
+        client_ids: str | Seq[str] | None = None,
+        deadlines_s: float | Seq[float | None] | None = None,
+        attrs: Mapping[str, Any] | Seq[Mapping[str, Any] | None] | None = None,
         progress: bool = False,
     ) -> list[RequestOutput]:
         """Run ``prompts`` to completion; outputs come back in prompt order.
 
-        A prompt that is refused (empty, too long, can never fit the KV cache)
-        yields an output with ``finish_reason="error"`` and the reason in
-        ``error``; the other prompts run normally.
+        Each per-request argument is one value for every prompt or a list with
+        one per prompt. A prompt that is refused (empty, too long, can never
+        fit the KV cache, a bad field) yields an output with
+        ``finish_reason="error"`` and the reason in ``error``; the other
+        prompts run normally. If a step raises (a scheduler plugin's error,
+        say), every request of this call is aborted before the exception
+        propagates, so the engine is idle and reusable.
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             raise TypeError("generate() takes a list of prompts (strings or token-id lists)")
         if self.has_unfinished():
             raise RuntimeError("generate() needs an idle engine; drive pending requests with step()")
-        per_prompt = _expand(params, len(prompts), "params")
-        prios = _expand(priorities, len(prompts), "priorities", default=0)
-        clients = _expand(client_ids, len(prompts), "client_ids", default="default")
+        n = len(prompts)
+        per_prompt = _expand(params, n, "params", SamplingParams, SamplingParams())
+        prios = _expand(priorities, n, "priorities", int, 0)
+        clients = _expand(client_ids, n, "client_ids", str, "default")
+        deadlines = _expand(deadlines_s, n, "deadlines_s", int | float, None)
+        extras = _expand(attrs, n, "attrs", Mapping, None)
         ids: list[str] = []
         done: dict[str, RequestOutput] = {}
-        for prompt, p, prio, client in zip(prompts, per_prompt, prios, clients, strict=True):
-            request_id = f"req-{next(self._ids)}"
-            try:
-                self.add_request(prompt, p, request_id=request_id, priority=prio, client_id=client)
-            except RequestError as exc:
-                log.warning("request rejected", request_id=request_id, error=str(exc))
-                prompt_ids = prompt if isinstance(prompt, list) else []
-                done[request_id] = RequestOutput.rejected(request_id, list(prompt_ids), str(exc))
-            ids.append(request_id)
-        bar = _progress(progress, len(ids) - len(done))
-        while self.has_unfinished():
-            for output in self.step():
-                if output.finished:
-                    done[output.request_id] = output
-                    bar.update(1)
-        bar.close()
+        try:
+            for i, prompt in enumerate(prompts):
+                request_id = f"req-{next(self._ids)}"
+                ids.append(request_id)
+                try:
+                    self.add_request(
+                        prompt,
+                        per_prompt[i],
+                        request_id=request_id,
+                        priority=prios[i],
+                        client_id=clients[i],
+                        deadline_s=deadlines[i],
+                        attrs=extras[i],
+                    )
+                except RequestError as exc:
+                    log.warning("request rejected", request_id=request_id, error=str(exc))
+                    prompt_ids = prompt if isinstance(prompt, list) else []
+                    done[request_id] = RequestOutput.rejected(request_id, list(prompt_ids), str(exc))
+            bar = _progress(progress, len(ids) - len(done))
+            while self.has_unfinished():
+                for output in self.step():
+                    if output.finished:
+                        done[output.request_id] = output
+                        bar.update(1)
+            bar.close()
+        except BaseException:
+            for request_id in ids:
+                if request_id not in done:
+                    self.abort(request_id)
+            raise
         return [done[i] for i in ids]
 
     # -- helpers -------------------------------------------------------------
@@ -350,11 +400,14 @@ def _check_model_matches(model: PreTrainedModel, config: EngineConfig) -> None:
         raise ValueError(f"model.device is {config.model.device} but the model given is on {param.device}")
 
 
-def _expand(value: Any, n: int, what: str, default: Any = None) -> list[Any]:
+def _expand(value: Any, n: int, what: str, single: Any, default: Any) -> list[Any]:
+    """One value per prompt from ``value``: None (the default), one value, or a list of ``n``."""
     if value is None:
-        return [SamplingParams() if what == "params" else default] * n
-    if isinstance(value, SamplingParams | int | str):
+        return [default] * n
+    if isinstance(value, single):  # a wrong type is refused per request by add_request
         return [value] * n
+    if isinstance(value, str | bytes | Mapping):
+        raise TypeError(f"{what}: expected one value or a list of {n}, got {type(value).__name__}")
     value = list(value)
     if len(value) != n:
         raise ValueError(f"{what}: got {len(value)} values for {n} prompts")

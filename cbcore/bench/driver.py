@@ -122,6 +122,8 @@ def run_engine(
                     request_id=req.request_id,
                     priority=req.priority,
                     client_id=req.client_id,
+                    deadline_s=req.deadline_s,
+                    attrs=req.attrs,
                     arrival_time=start + req.arrival_s,
                 )
             except RequestError as exc:

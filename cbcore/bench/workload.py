@@ -13,14 +13,16 @@ of a run). It comes from one of three places:
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from cbcore.config import format_validation_error
+from cbcore.scheduling.request_fields import EMPTY_ATTRS, FieldError, freeze_attrs, thaw
 
 
 class WorkloadError(ValueError):
@@ -30,16 +32,27 @@ class WorkloadError(ValueError):
 class TraceRecord(BaseModel):
     """One line of a JSONL trace."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    request_id: str | None = None
+    request_id: str | None = Field(None, min_length=1)
     arrival_s: float = Field(ge=0, allow_inf_nan=False, description="Seconds after the run starts.")
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     max_new_tokens: int = Field(ge=1)
     priority: int = 0
-    client_id: str = "default"
+    client_id: str = Field("default", min_length=1)
+    deadline_s: float | None = Field(None, gt=0, allow_inf_nan=False, description="Seconds after arrival.")
+    attrs: dict[str, Any] = Field(default_factory=dict, description="JSON attributes policies may read.")
     ignore_eos: bool = False
+
+    @field_validator("attrs")
+    @classmethod
+    def _json_attrs(cls, value: dict[str, Any]) -> dict[str, Any]:
+        try:
+            freeze_attrs(value)
+        except FieldError as exc:
+            raise ValueError(str(exc)) from None
+        return value
 
     @model_validator(mode="after")
     def _one_prompt(self) -> TraceRecord:
@@ -67,6 +80,11 @@ class BenchRequest:
     priority: int = 0
     client_id: str = "default"
     ignore_eos: bool = False
+    deadline_s: float | None = None  # seconds after arrival
+    attrs: Mapping[str, Any] = field(default_factory=lambda: EMPTY_ATTRS)  # JSON attributes, read-only
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "attrs", freeze_attrs(self.attrs))
 
     def token_ids(self, tokenizer: Any | None) -> list[int]:
         """The prompt as token ids (text is encoded the way the engine encodes it)."""
@@ -88,6 +106,10 @@ class BenchRequest:
             client_id=self.client_id,
             ignore_eos=self.ignore_eos,
         )
+        if self.deadline_s is not None:
+            data["deadline_s"] = self.deadline_s
+        if self.attrs:
+            data["attrs"] = thaw(self.attrs)
         return data
 
 
@@ -167,6 +189,8 @@ def parse_trace(lines: Seq[str], source: str = "trace") -> list[BenchRequest]:
                 priority=rec.priority,
                 client_id=rec.client_id,
                 ignore_eos=rec.ignore_eos,
+                deadline_s=rec.deadline_s,
+                attrs=rec.attrs,
             )
         )
     if not requests:

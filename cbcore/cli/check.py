@@ -98,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
         ignore_eos=args.ignore_eos,
         priorities=[j.record.priority for j in accepted],
         client_ids=[j.record.client_id for j in accepted],
+        deadlines_s=[j.record.deadline_s for j in accepted],
+        attrs=[j.record.attrs for j in accepted],
     )
     named = [
         dataclasses.replace(c, request_id=j.request_id)

@@ -20,7 +20,7 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
         help="generate text for prompts given as arguments or in a JSONL file",
         description="Generate text for prompts (arguments, or --input FILE.jsonl with one object per "
         "line: prompt or messages, optional max_new_tokens, temperature, top_k, top_p, seed, "
-        "priority, client_id, id). Results are JSONL, in input order.",
+        "priority, client_id, deadline_s, attrs, id). Results are JSONL, in input order.",
     )
     parser.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt text (repeatable)")
     parser.add_argument("--input", "-i", metavar="FILE", help="JSONL file of requests")
@@ -67,6 +67,8 @@ def run(args: argparse.Namespace) -> int:
                 request_id=job.request_id,
                 priority=job.record.priority,
                 client_id=job.record.client_id,
+                deadline_s=job.record.deadline_s,
+                attrs=job.record.attrs,
             )
         except (RequestError, ValueError) as exc:
             bad.append(problem := BadInput(job.where, str(exc).splitlines()[0]))

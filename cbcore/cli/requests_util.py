@@ -5,7 +5,7 @@ reported with its line number within a second and the good lines still run::
 
     {"prompt": "The capital of France is", "max_new_tokens": 8}
     {"messages": [{"role": "user", "content": "Hi!"}], "temperature": 0.7, "seed": 1,
-     "priority": 1, "client_id": "alice", "id": "greeting"}
+     "priority": 1, "client_id": "alice", "deadline_s": 2.5, "attrs": {"tier": "gold"}, "id": "greeting"}
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from cbcore.cli.main import CLIError
+from cbcore.scheduling.request_fields import FieldError, freeze_attrs
 from cbcore.scheduling.sampling_params import SamplingParams
 
 SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")
@@ -31,9 +32,9 @@ class Message(BaseModel):
 
 
 class RequestRecord(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
-    id: str | None = None
+    id: str | None = Field(None, min_length=1)
     prompt: str | None = None
     messages: list[Message] | None = Field(None, min_length=1)
     max_new_tokens: int | None = None
@@ -42,7 +43,18 @@ class RequestRecord(BaseModel):
     top_p: float | None = None
     seed: int | None = None
     priority: int = 0
-    client_id: str = "default"
+    client_id: str = Field("default", min_length=1)
+    deadline_s: float | None = Field(None, gt=0, allow_inf_nan=False)
+    attrs: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("attrs")
+    @classmethod
+    def _json_attrs(cls, value: dict[str, Any]) -> dict[str, Any]:
+        try:
+            freeze_attrs(value)
+        except FieldError as exc:
+            raise ValueError(str(exc)) from None
+        return value
 
     @model_validator(mode="after")
     def _one_prompt(self) -> RequestRecord:

@@ -16,6 +16,7 @@ KV bookkeeping through :class:`KVView`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Protocol
@@ -26,17 +27,21 @@ from cbcore.plugins import NoParams
 
 
 class SequenceView(Protocol):
-    """What a policy may read about a sequence."""
+    """What a policy may read about a sequence (docs/policies.md describes every field)."""
 
     request_id: str
-    priority: int
+    priority: int  # the ``priority`` queue serves smaller values first
     client_id: str
-    arrival_time: float
+    arrival_time: float  # scheduler clock seconds
+    deadline_s: float | None  # seconds after arrival by which it should be done, or None
+    attrs: Mapping[str, Any]  # the request's free-form JSON attributes, read-only
     num_computed_tokens: int
     num_preemptions: int
     block_table: list[int]
     policy_state: dict[str, object]
 
+    @property
+    def deadline(self) -> float | None: ...
     @property
     def num_prompt_tokens(self) -> int: ...
     @property

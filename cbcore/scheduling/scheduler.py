@@ -104,5 +104,20 @@ class SchedulerPlugin:
         self.blocks = blocks
 
 
-class SchedulerStall(RuntimeError):
-    """The scheduler has work but planned nothing and nothing is running: it would spin forever."""
+class SchedulerError(RuntimeError):
+    """A scheduler (or one of its policies) broke the engine's rules; nothing of the step was applied.
+
+    ``plugin`` names the culprit as ``kind name (origin)``, ``rule`` the rule
+    it broke (or the method that raised), ``request_id`` the request involved
+    when there is one.
+    """
+
+    def __init__(self, message: str, *, plugin: str = "", rule: str = "", request_id: str | None = None) -> None:
+        super().__init__(message)
+        self.plugin = plugin
+        self.rule = rule
+        self.request_id = request_id
+
+
+class SchedulerStall(SchedulerError):
+    """The scheduler has work but makes no progress: nothing planned, or preemptions undo all of it."""

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from cbcore.scheduling.request_fields import EMPTY_ATTRS
 from cbcore.scheduling.sampling_params import SamplingParams
 
 
@@ -41,6 +44,9 @@ class Sequence:
     priority: int = 0
     client_id: str = "default"
     arrival_time: float = field(default_factory=time.perf_counter)
+    deadline_s: float | None = None  # seconds after arrival by which it should be done
+    # Free-form JSON attributes for policies (read-only; validated by Engine.add_request).
+    attrs: Mapping[str, Any] = field(default_factory=lambda: EMPTY_ATTRS, repr=False)
 
     token_ids: list[int] = field(init=False)
     status: SequenceStatus = SequenceStatus.WAITING
@@ -66,6 +72,11 @@ class Sequence:
         if self.params.seed is not None:
             self.generator = torch.Generator(device="cpu")
             self.generator.manual_seed(self.params.seed)
+
+    @property
+    def deadline(self) -> float | None:
+        """The clock time (``arrival_time + deadline_s``) by which it should be done, or None."""
+        return None if self.deadline_s is None else self.arrival_time + self.deadline_s
 
     @property
     def num_prompt_tokens(self) -> int:

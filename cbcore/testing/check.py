@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 from typing import Any, Literal
 
@@ -29,6 +30,8 @@ def run_equivalence(
     ignore_eos: bool = False,
     priorities: Seq[int] | None = None,
     client_ids: Seq[str] | None = None,
+    deadlines_s: Seq[float | None] | None = None,
+    attrs: Seq[Mapping[str, Any] | None] | None = None,
     rule: Rule = "auto",
 ) -> EquivalenceReport:
     """Run ``prompts`` through an engine built from ``config`` and through the reference.
@@ -55,6 +58,8 @@ def run_equivalence(
     params = [
         SamplingParams(max_new_tokens=c, ignore_eos=ignore_eos, logprobs=top if top else None) for c in caps
     ]
-    outputs = engine.generate(ids, params, priorities=priorities, client_ids=client_ids)
+    outputs = engine.generate(
+        ids, params, priorities=priorities, client_ids=client_ids, deadlines_s=deadlines_s, attrs=attrs
+    )
     report = compare_topk(outputs, references, k=top) if top else compare_greedy(model, outputs, references)
     return EquivalenceReport(report.comparisons, engine=engine)
