@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import itertools
 import time
-from collections.abc import Callable, Mapping
-from collections.abc import Sequence as Seq
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,55 +11,57 @@ import torch
 from transformers import PreTrainedModel
 
 from cbcore.config import EngineConfig
+from cbcore.engine_core import EngineCore, Prompt, RequestError, Sampled, StepRecord, build_scheduler
 from cbcore.execution.batch import FlatBatch
 from cbcore.execution.runner import KVGeometry, ModelRunner, plan_num_blocks
 from cbcore.execution.sampler import sample
-from cbcore.log import get_logger
-from cbcore.outputs import RequestOutput
 from cbcore.plugins import get_registry
-from cbcore.scheduling.block_manager import BlockManager
 from cbcore.scheduling.plan import StepPlan
-from cbcore.scheduling.policy import StepResult
-from cbcore.scheduling.policy_scheduler import PolicyScheduler
-from cbcore.scheduling.request_fields import (
-    FieldError,
-    check_client_id,
-    check_deadline,
-    check_priority,
-    check_request_id,
-    freeze_attrs,
-)
-from cbcore.scheduling.sampling_params import SamplingParams
-from cbcore.scheduling.scheduler import Scheduler, SchedulerOutput
-from cbcore.scheduling.sequence import FinishReason, Sequence
-from cbcore.stats import EngineLoad, StepStats
+from cbcore.scheduling.scheduler import SchedulerOutput
 
-log = get_logger(__name__)
-
-Prompt = str | list[int]
+__all__ = ["Engine", "ModelExecutor", "Prompt", "RequestError", "StepRecord"]
 
 
-class RequestError(ValueError):
-    """A request was refused before it ran; the message says what was wrong with it."""
+@dataclass
+class _Prepared:
+    plan: StepPlan
+    batch: FlatBatch
 
 
-@dataclass(frozen=True)
-class StepRecord:
-    """Everything about one step, for listeners (the demo, benchmarks, tests)."""
+class ModelExecutor:
+    """Runs a plan on the model: swaps, packing, one forward, then sampling."""
 
-    stats: StepStats
-    output: SchedulerOutput
-    batch: FlatBatch | None
-    outputs: list[RequestOutput]
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+
+    def prepare(self, out: SchedulerOutput) -> _Prepared:
+        plan = out.to_plan()
+        self.runner.swap(plan)
+        return _Prepared(plan, self.runner.prepare(plan))
+
+    def batch_of(self, prepared: _Prepared) -> FlatBatch:
+        return prepared.batch
+
+    def forward(self, prepared: _Prepared) -> torch.Tensor:
+        logits = self.runner.forward(prepared.batch)
+        if logits.device.type == "cuda":
+            torch.cuda.synchronize()
+        return logits
+
+    def sample(self, prepared: _Prepared, logits: torch.Tensor) -> Sampled:
+        rows = list(prepared.batch.sample_rows)
+        tokens, top = sample(logits, [prepared.plan.rows[i] for i in rows])
+        return Sampled(rows, list(tokens), list(top))
 
 
-class Engine:
+class Engine(EngineCore):
     """Continuous batching over one HF causal LM.
 
     Every :meth:`step` asks the scheduler what runs, packs all of it (prefill
     chunks and decode tokens of every sequence) into one row, runs the model
     once, samples one token per sequence that finished its pending tokens, and
-    reports the deltas.
+    reports the deltas. The loop itself is :class:`EngineCore`'s, shared with
+    the simulator.
     """
 
     def __init__(
@@ -72,44 +72,26 @@ class Engine:
         *,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        self.config = config = config if config is not None else EngineConfig()
-        self.tokenizer = tokenizer
-        self.clock = clock
+        config = config if config is not None else EngineConfig()
         _check_model_matches(model, config)
         registry = get_registry(tuple(config.plugins))
         backend = registry.create("backend", config.backend.name, config.backend.params, "backend")
-
-        sched = config.scheduler
-        policies = None
-        if sched.name is None:
-            policies = {
-                slot: registry.create(slot, spec.name, spec.params, f"scheduler.{slot}")
-                for slot in ("queue", "budget", "prefill", "preemption")
-                for spec in [getattr(sched, slot)]
-            }
         num_blocks = plan_num_blocks(config.kv_cache, KVGeometry.of(model), next(model.parameters()).dtype)
-        host_blocks = config.kv_cache.num_host_blocks
-        if host_blocks is None:  # swap space defaults to the size of the device pool
-            swaps = policies is not None and policies["preemption"].mode == "swap"
-            host_blocks = num_blocks if swaps else 0
+        scheduler, _ = build_scheduler(config, num_blocks, clock)
+        host_blocks = scheduler.blocks.num_host_blocks
         self.runner = ModelRunner(model, backend, config.kv_cache.block_size, num_blocks, host_blocks)
-        blocks = BlockManager(num_blocks, config.kv_cache.block_size, host_blocks)
-        if policies is not None:
-            self.scheduler: Scheduler = PolicyScheduler(**policies, blocks=blocks, clock=clock)
-        else:
-            self.scheduler = registry.create("scheduler", sched.name, sched.params, "scheduler", blocks)
-
         self.model = model
-        self.eos_token_ids = _eos_ids(model)
         text_cfg = model.config.get_text_config()
-        self.vocab_size = text_cfg.vocab_size
-        self.max_model_len = config.model.max_model_len or getattr(text_cfg, "max_position_embeddings", None)
-        self.step_stats: list[StepStats] = []
-        self.step_listeners: list[Callable[[StepRecord], None]] = []
-        self.num_preemptions_total = 0  # counted here, so that it holds for any Scheduler
-        self._ids = itertools.count()
-
-    # -- construction --------------------------------------------------------
+        super().__init__(
+            config,
+            ModelExecutor(self.runner),
+            scheduler,
+            vocab_size=text_cfg.vocab_size,
+            max_model_len=config.model.max_model_len or getattr(text_cfg, "max_position_embeddings", None),
+            eos_token_ids=_eos_ids(model),
+            tokenizer=tokenizer,
+            clock=clock,
+        )
 
     @classmethod
     def from_pretrained(cls, path: str | None = None, config: EngineConfig | None = None) -> Engine:
@@ -119,264 +101,6 @@ class Engine:
         config = config if config is not None else EngineConfig()
         model, tokenizer = load_model_and_tokenizer(path or config.model.path, config.model)
         return cls(model, tokenizer, config)
-
-    # -- requests ------------------------------------------------------------
-
-    def add_request(
-        self,
-        prompt: Prompt,
-        params: SamplingParams | None = None,
-        *,
-        request_id: str | None = None,
-        priority: int = 0,
-        client_id: str = "default",
-        deadline_s: float | None = None,
-        attrs: Mapping[str, Any] | None = None,
-        arrival_time: float | None = None,
-    ) -> str:
-        """Queue one request and return its id; raises :class:`RequestError` on bad input.
-
-        ``priority``, ``client_id``, ``deadline_s`` (seconds after arrival) and
-        ``attrs`` (JSON values) are what policies read to tell requests apart;
-        they are checked strictly (no coercion) and ``attrs`` is stored as a
-        read-only copy. Nothing is registered unless every check passes.
-        """
-        params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise RequestError(f"params must be SamplingParams, got {type(params).__name__}")
-        if request_id is None:
-            request_id = f"req-{next(self._ids)}"
-        try:
-            check_request_id(request_id)
-            fields = dict(
-                priority=check_priority(priority),
-                client_id=check_client_id(client_id),
-                deadline_s=check_deadline(deadline_s),
-                attrs=freeze_attrs(attrs),
-            )
-        except FieldError as exc:
-            raise RequestError(f"request {request_id!r}: {exc}") from None
-        if arrival_time is not None and (isinstance(arrival_time, bool) or not isinstance(arrival_time, int | float)):
-            raise RequestError(f"request {request_id!r}: arrival_time must be a number, got {arrival_time!r}")
-        if self.scheduler_has(request_id):
-            raise RequestError(f"request id {request_id!r} is already in use")
-        token_ids = self._encode(prompt, request_id)
-        self._validate(token_ids, request_id)
-        seq = Sequence(
-            request_id=request_id,
-            prompt_token_ids=token_ids,
-            params=params,
-            arrival_time=self.clock() if arrival_time is None else float(arrival_time),
-            **fields,
-        )
-        self.scheduler.add(seq)
-        return request_id
-
-    def scheduler_has(self, request_id: str) -> bool:
-        get = getattr(self.scheduler, "get", None)
-        return get is not None and get(request_id) is not None
-
-    def abort(self, request_id: str) -> bool:
-        """Cancel a request wherever it is; its KV blocks are freed at once."""
-        seq = self.scheduler.abort(request_id)
-        if seq is not None:
-            log.info("request aborted", request_id=request_id, generated=seq.num_output_tokens)
-        return seq is not None
-
-    def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
-
-    def load(self) -> EngineLoad:
-        """A snapshot of queue lengths, KV use and counters (read it between steps)."""
-        sched = self.scheduler
-        blocks = sched.blocks
-        return EngineLoad(
-            num_waiting=len(getattr(sched, "waiting", ())),
-            num_running=len(getattr(sched, "running", ())),
-            num_swapped=len(getattr(sched, "swapped", ())),
-            kv_blocks_used=blocks.num_used_blocks,
-            kv_blocks_total=blocks.num_blocks,
-            num_preemptions_total=self.num_preemptions_total,
-            prefix_cache_queries_tokens=getattr(blocks, "prefix_cache_queries_tokens", 0),
-            prefix_cache_hits_tokens=getattr(blocks, "prefix_cache_hits_tokens", 0),
-        )
-
-    # -- the loop ------------------------------------------------------------
-
-    def step(self) -> list[RequestOutput]:
-        """Run one iteration; return a delta for every request that produced a token or ended."""
-        t0 = self.clock()
-        out = self.scheduler.schedule()
-        t1 = self.clock()
-        self.num_preemptions_total += len(out.preempted)
-        outputs = [RequestOutput.of(seq, [], self._text(seq)) for seq in out.failed]
-        batch = None
-        t2 = t3 = t1
-        if not out.is_empty:
-            plan = out.to_plan()
-            self.runner.swap(plan)
-            batch = self.runner.prepare(plan)
-            t2 = self.clock()
-            logits = self.runner.forward(batch)
-            if logits.device.type == "cuda":
-                torch.cuda.synchronize()
-            t3 = self.clock()
-            outputs.extend(self._postprocess(out, plan, batch, logits))
-        t4 = self.clock()
-        blocks = self.scheduler.blocks
-        stats = StepStats(
-            step=len(self.step_stats) + 1,
-            num_seqs=len(out.scheduled),
-            num_tokens=out.num_tokens,
-            num_prefill_tokens=out.num_prefill_tokens,
-            num_decode_tokens=out.num_decode_tokens,
-            num_preempted=len(out.preempted),
-            kv_blocks_used=blocks.num_used_blocks,
-            kv_blocks_total=blocks.num_blocks,
-            schedule_s=t1 - t0,
-            prepare_s=t2 - t1,
-            forward_s=t3 - t2,
-            sample_s=t4 - t3,
-        )
-        self.step_stats.append(stats)
-        for listener in self.step_listeners:
-            listener(StepRecord(stats, out, batch, outputs))
-        return outputs
-
-    def _postprocess(
-        self, out: SchedulerOutput, plan: StepPlan, batch: FlatBatch, logits: torch.Tensor
-    ) -> list[RequestOutput]:
-        sampling = [out.scheduled[i].seq for i in batch.sample_rows]
-        tokens, top = sample(logits, [plan.rows[i] for i in batch.sample_rows])
-        now = self.clock()
-        new_token: dict[Sequence, int] = {}
-        for seq, token, logprobs in zip(sampling, tokens, top, strict=True):
-            seq.num_computed_tokens = seq.num_tokens
-            seq.append_token(token, now)
-            if logprobs is not None:
-                seq.logprobs.append(logprobs)
-            self._check_finish(seq, token, now)
-            new_token[seq] = token
-        results = []
-        for item in out.scheduled:
-            if item.seq not in new_token:  # a non-final prefill chunk
-                item.seq.num_computed_tokens += item.num_tokens
-            results.append(StepResult(item.seq, item.num_tokens, new_token.get(item.seq)))
-        self.scheduler.on_step_end(out, results)
-        return [RequestOutput.of(seq, [tok], self._text(seq)) for seq, tok in new_token.items()]
-
-    def _check_finish(self, seq: Sequence, token: int, now: float) -> None:
-        params = seq.params
-        if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
-            seq.finish(FinishReason.STOP, now)
-        elif seq.num_output_tokens >= params.max_new_tokens or (
-            self.max_model_len is not None and seq.num_tokens >= self.max_model_len
-        ):
-            seq.finish(FinishReason.LENGTH, now)
-
-    # -- batch API -----------------------------------------------------------
-
-    def generate(
-        self,
-        prompts: Seq[Prompt],
-        params: SamplingParams | Seq[SamplingParams] | None = None,
-        *,
-        priorities: int | Seq[int] | None = None,
-        client_ids: str | Seq[str] | None = None,
-        deadlines_s: float | Seq[float | None] | None = None,
-        attrs: Mapping[str, Any] | Seq[Mapping[str, Any] | None] | None = None,
-        progress: bool = False,
-    ) -> list[RequestOutput]:
-        """Run ``prompts`` to completion; outputs come back in prompt order.
-
-        Each per-request argument is one value for every prompt or a list with
-        one per prompt. A prompt that is refused (empty, too long, can never
-        fit the KV cache, a bad field) yields an output with
-        ``finish_reason="error"`` and the reason in ``error``; the other
-        prompts run normally. If a step raises (a scheduler plugin's error,
-        say), every request of this call is aborted before the exception
-        propagates, so the engine is idle and reusable.
-        """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            raise TypeError("generate() takes a list of prompts (strings or token-id lists)")
-        if self.has_unfinished():
-            raise RuntimeError("generate() needs an idle engine; drive pending requests with step()")
-        n = len(prompts)
-        per_prompt = _expand(params, n, "params", SamplingParams, SamplingParams())
-        prios = _expand(priorities, n, "priorities", int, 0)
-        clients = _expand(client_ids, n, "client_ids", str, "default")
-        deadlines = _expand(deadlines_s, n, "deadlines_s", int | float, None)
-        extras = _expand(attrs, n, "attrs", Mapping, None)
-        ids: list[str] = []
-        done: dict[str, RequestOutput] = {}
-        try:
-            for i, prompt in enumerate(prompts):
-                request_id = f"req-{next(self._ids)}"
-                ids.append(request_id)
-                try:
-                    self.add_request(
-                        prompt,
-                        per_prompt[i],
-                        request_id=request_id,
-                        priority=prios[i],
-                        client_id=clients[i],
-                        deadline_s=deadlines[i],
-                        attrs=extras[i],
-                    )
-                except RequestError as exc:
-                    log.warning("request rejected", request_id=request_id, error=str(exc))
-                    prompt_ids = prompt if isinstance(prompt, list) else []
-                    done[request_id] = RequestOutput.rejected(request_id, list(prompt_ids), str(exc))
-            bar = _progress(progress, len(ids) - len(done))
-            while self.has_unfinished():
-                for output in self.step():
-                    if output.finished:
-                        done[output.request_id] = output
-                        bar.update(1)
-            bar.close()
-        except BaseException:
-            for request_id in ids:
-                if request_id not in done:
-                    self.abort(request_id)
-            raise
-        return [done[i] for i in ids]
-
-    # -- helpers -------------------------------------------------------------
-
-    def _encode(self, prompt: Prompt, request_id: str) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestError(f"request {request_id}: a text prompt needs a tokenizer; pass token ids")
-            return list(self.tokenizer.encode(prompt))
-        if not isinstance(prompt, list | tuple) or not all(isinstance(t, int) for t in prompt):
-            raise RequestError(f"request {request_id}: a prompt is a string or a list of int token ids")
-        return list(prompt)
-
-    def _validate(self, token_ids: list[int], request_id: str) -> None:
-        if not token_ids:
-            raise RequestError(f"request {request_id}: the prompt is empty")
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise RequestError(
-                f"request {request_id}: token id {bad[0]} is outside the vocabulary (size {self.vocab_size})"
-            )
-        if self.max_model_len is not None and len(token_ids) >= self.max_model_len:
-            raise RequestError(
-                f"request {request_id}: the prompt has {len(token_ids)} tokens, which leaves no room in the "
-                f"model's context of {self.max_model_len} tokens"
-            )
-        blocks: BlockManager = self.scheduler.blocks
-        if blocks.blocks_for_tokens(len(token_ids)) > blocks.num_blocks:
-            raise RequestError(
-                f"request {request_id}: the prompt has {len(token_ids)} tokens but the whole KV cache holds "
-                f"{blocks.capacity_tokens} ({blocks.num_blocks} blocks of {blocks.block_size}); "
-                "raise kv_cache.num_blocks"
-            )
-
-    def _text(self, seq: Sequence) -> str | None:
-        if self.tokenizer is None or not seq.is_finished:
-            return None
-        return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
 
 
 def _eos_ids(model: PreTrainedModel) -> frozenset[int]:
@@ -398,30 +122,3 @@ def _check_model_matches(model: PreTrainedModel, config: EngineConfig) -> None:
             raise ValueError(f"model.dtype is {config.model.dtype} but the model given is {param.dtype}")
     if "device" in explicit and torch.device(config.model.device).type != param.device.type:
         raise ValueError(f"model.device is {config.model.device} but the model given is on {param.device}")
-
-
-def _expand(value: Any, n: int, what: str, single: Any, default: Any) -> list[Any]:
-    """One value per prompt from ``value``: None (the default), one value, or a list of ``n``."""
-    if value is None:
-        return [default] * n
-    if isinstance(value, single):  # a wrong type is refused per request by add_request
-        return [value] * n
-    if isinstance(value, str | bytes | Mapping):
-        raise TypeError(f"{what}: expected one value or a list of {n}, got {type(value).__name__}")
-    value = list(value)
-    if len(value) != n:
-        raise ValueError(f"{what}: got {len(value)} values for {n} prompts")
-    return value
-
-
-def _progress(enabled: bool, total: int) -> Any:
-    if not enabled:
-        return _NoBar()
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit="req", desc="generate")
-
-
-class _NoBar:
-    def update(self, n: int) -> None: ...
-    def close(self) -> None: ...

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from cbcore.bench.workload import BenchRequest, Workload
-from cbcore.engine import Engine, RequestError
+from cbcore.engine import Engine
+from cbcore.engine_core import EngineCore, RequestError
 from cbcore.outputs import RequestOutput
 from cbcore.scheduling.sampling_params import SamplingParams
 from cbcore.stats import StepStats
@@ -85,6 +86,26 @@ def sampling_params(req: BenchRequest) -> SamplingParams:
     return SamplingParams(max_new_tokens=req.max_new_tokens, ignore_eos=req.ignore_eos)
 
 
+def submit(
+    engine: EngineCore, req: BenchRequest, token_ids: Seq[int], arrival_time: float
+) -> RequestOutput | None:
+    """Hand one workload request to ``engine``; a refused request comes back as its final output."""
+    try:
+        engine.add_request(
+            list(token_ids),
+            sampling_params(req),
+            request_id=req.request_id,
+            priority=req.priority,
+            client_id=req.client_id,
+            deadline_s=req.deadline_s,
+            attrs=req.attrs,
+            arrival_time=arrival_time,
+        )
+    except RequestError as exc:
+        return RequestOutput.rejected(req.request_id, list(token_ids), str(exc))
+    return None
+
+
 def warm_up(engine: Engine, token_ids: Seq[Seq[int]]) -> None:
     """A short prefill + decode through this engine, so first-call costs are not timed."""
     prompts = [list(ids[:8]) for ids in token_ids[:2]]
@@ -114,20 +135,9 @@ def run_engine(
     arrivals = Arrivals(requests, start)
     while len(done) < len(requests):
         for i in arrivals.due(clock()):
-            req = requests[i]
-            try:
-                engine.add_request(
-                    list(token_ids[i]),
-                    sampling_params(req),
-                    request_id=req.request_id,
-                    priority=req.priority,
-                    client_id=req.client_id,
-                    deadline_s=req.deadline_s,
-                    attrs=req.attrs,
-                    arrival_time=start + req.arrival_s,
-                )
-            except RequestError as exc:
-                done[i] = RequestOutput.rejected(req.request_id, list(token_ids[i]), str(exc))
+            refused = submit(engine, requests[i], token_ids[i], start + requests[i].arrival_s)
+            if refused is not None:
+                done[i] = refused
                 bar.update(1)
         if engine.has_unfinished():
             for out in engine.step():

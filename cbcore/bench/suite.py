@@ -126,7 +126,7 @@ def run_suite(
     rows = []
     samples = {}
     for name, tries in runs.items():
-        rows.append(_row(model, workload, tries, refs, slo))
+        rows.append(summarize_runs(model, workload, tries, refs, slo))
         samples[name] = latency_samples(_median_run(tries).outputs)
     return BenchResult(workload=workload.describe(), rows=rows, samples=samples)
 
@@ -159,7 +159,7 @@ def _median_run(tries: Seq[RunResult]) -> RunResult:
     return ordered[(len(ordered) - 1) // 2]
 
 
-def _row(
+def summarize_runs(
     model: torch.nn.Module,
     workload: Workload,
     tries: Seq[RunResult],

@@ -163,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
         slo=slo,
         reference=not args.no_reference,
         repeat=args.repeat,
-        progress=_progress_factory(args.no_progress),
+        progress=progress_factory(args.no_progress),
     )
     print(report.table(result))
     if args.json:
@@ -175,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _progress_factory(disabled: bool) -> Any:
+def progress_factory(disabled: bool) -> Any:
     from tqdm import tqdm
 
     def make(total: int, desc: str) -> Any:

@@ -13,7 +13,7 @@ import sys
 
 from pydantic import ValidationError
 
-COMMANDS = ("demo", "generate", "check", "bench", "plugins")
+COMMANDS = ("demo", "generate", "check", "bench", "profile", "simulate", "plugins")
 
 
 class CLIError(Exception):

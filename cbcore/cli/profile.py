@@ -1,0 +1,63 @@
+"""`cb profile`: time real steps of a model on this machine and fit the simulator's cost model.
+
+The profile (JSON) records the fitted step-time model, its fit error, and the
+hardware, model, dtype, backend and thread count it was measured with;
+``cb simulate --profile FILE`` reads it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from cbcore.cli.main import CLIError
+
+
+def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    parser = sub.add_parser(
+        "profile",
+        parents=[common],
+        help="time real steps over a grid of step shapes and fit a step-time model",
+        description=__doc__.splitlines()[0],
+    )
+    parser.add_argument("--out", default="profile.json", metavar="FILE", help="where to write the profile")
+    parser.add_argument("--backend", metavar="NAME", help="attention backend (default: the config's)")
+    parser.add_argument("--quick", action="store_true", help="a small grid (seconds, for tests and checks)")
+    parser.add_argument("--threads", type=int, metavar="N", help="torch CPU threads")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from cbcore.cli.common import engine_config
+    from cbcore.engine import Engine
+    from cbcore.models.default_model import MODEL_NAME
+    from cbcore.models.loading import load_model_and_tokenizer
+    from cbcore.sim.profiler import FULL, QUICK, make_profile, profile_config
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise CLIError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    extra = {"backend": {"name": args.backend}} if args.backend else None
+    grid = QUICK if args.quick else FULL
+    config = profile_config(engine_config(args, extra), grid)
+    model, tokenizer = load_model_and_tokenizer(config.model.path, config.model)
+    engine = Engine(model, tokenizer, config)
+    name = config.model.path or MODEL_NAME
+
+    def note(what: str) -> None:
+        print(f"profile: {what}", file=sys.stderr, flush=True)
+
+    profile = make_profile(engine, name, grid, seed=args.seed, progress=note)
+    profile.save(args.out)
+    fit = profile.cost.fit  # type: ignore[union-attr]
+    held = f"{100 * fit.holdout_mean_abs:.1f} %" if fit.holdout_mean_abs is not None else "-"
+    print(
+        f"{args.out}: {fit.num_steps} steps of {name} ({profile.identity.dtype}, {profile.identity.backend}, "
+        f"{profile.identity.threads} threads) on {profile.identity.hardware}; mean step-time error "
+        f"{100 * fit.mean_abs:.1f} % (held out: {held}), p90 {100 * fit.p90_abs:.1f} %"
+    )
+    return 0

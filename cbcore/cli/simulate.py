@@ -1,0 +1,113 @@
+"""`cb simulate`: a workload through the real scheduler and policies, on a measured or roofline cost model.
+
+Every ``--config`` x ``--policy`` combination is one row, as in ``cb bench``,
+and the table, JSON, CSV and plots are ``cb bench``'s. Requests end at their
+``max_new_tokens`` (no tokens are computed, so EOS never comes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from cbcore.cli.main import CLIError
+
+EPILOG = """\
+profiles: a file written by `cb profile`, or a built-in roofline profile
+  (h100-llama-2-7b, h200-llama-3-8b); see docs/simulate.md for the file format.
+
+example:
+  cb simulate --profile h200-llama-3-8b --policy fcfs --policy priority --policy vtc --policy sjf \\
+      --workload poisson:n=10000,rate=40,burstiness=0.3,clients=a:3/b:1,priorities=0:3/1:1 \\
+      --set scheduler.budget.max_num_seqs=256 --set scheduler.budget.max_num_batched_tokens=8192 --json sim.json
+"""
+
+
+def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    parser = sub.add_parser(
+        "simulate",
+        parents=[common],
+        conflict_handler="resolve",  # --config is repeatable here
+        help="run policies on a simulated clock with a step cost model (cb profile)",
+        description=__doc__.splitlines()[0],
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--profile", required=True, metavar="FILE_OR_NAME", help="cost profile")
+    parser.add_argument("--workload", default="seed", metavar="SPEC", help="seed, FILE.jsonl or poisson:...")
+    parser.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        dest="configs",
+        metavar="FILE",
+        help="engine config (repeatable)",
+    )
+    parser.add_argument(
+        "--policy", action="append", default=[], dest="policies", metavar="MIX", help="e.g. priority+chunked"
+    )
+    parser.add_argument(
+        "--tokenizer", metavar="DIR", help="tokenizer for text prompts (default: the model's)"
+    )
+    parser.add_argument("--slo", metavar="ttft:MS,tpot:MS", help="latency objectives for goodput")
+    parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    parser.add_argument("--csv", metavar="FILE", help="write the rows as CSV")
+    parser.add_argument("--plot", metavar="FILE.png", help="latency CDFs and throughput per row")
+    parser.add_argument("--save-trace", metavar="FILE.jsonl", help="write the workload as a replayable trace")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    parser.set_defaults(func=run, backends=[])
+
+
+def run(args: argparse.Namespace) -> int:
+    from cbcore.bench import report
+    from cbcore.bench.metrics import SLO
+    from cbcore.bench.sources import load_workload
+    from cbcore.bench.suite import prompt_token_ids
+    from cbcore.cli.bench import build_configs, progress_factory
+    from cbcore.sim.profile import load_profile
+    from cbcore.sim.suite import simulate_suite
+
+    profile = load_profile(args.profile)
+    slo = SLO.parse(args.slo) if args.slo else None
+    configs = build_configs(args)
+    workload = load_workload(args.workload, profile.model.vocab_size)
+    if args.save_trace:
+        workload.save(args.save_trace)
+    tokenizer = None
+    if any(r.prompt_token_ids is None for r in workload.requests):
+        tokenizer = _tokenizer(args.tokenizer, configs[0][1].model.path)
+    result = simulate_suite(
+        profile,
+        workload,
+        prompt_token_ids(workload, tokenizer),
+        configs,
+        slo=slo,
+        progress=progress_factory(args.no_progress),
+    )
+    p = profile.identity
+    print(
+        f"simulated: {p.model} ({p.dtype}, {p.backend}) on {p.hardware}, {p.source} profile", file=sys.stderr
+    )
+    print(report.table(result))
+    if args.json:
+        report.write_json(result, args.json)
+    if args.csv:
+        report.write_csv(result, args.csv)
+    if args.plot:
+        report.plot(result, args.plot)
+    return 0
+
+
+def _tokenizer(path: str | None, model_path: str | None) -> Any:
+    """Text prompts are encoded as the engine would: with the tokenizer of the model (default: SmolLM2)."""
+    from transformers import AutoTokenizer
+
+    if path is None and model_path is None:
+        from cbcore.models.default_model import default_model_dir
+
+        try:
+            path = str(default_model_dir())
+        except Exception as exc:
+            raise CLIError(f"text prompts need a tokenizer: pass --tokenizer DIR ({exc})") from None
+    return AutoTokenizer.from_pretrained(path or model_path)

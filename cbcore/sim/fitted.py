@@ -1,0 +1,151 @@
+"""A step-time model fitted to steps timed on this machine.
+
+``t = g(tokens) + a * attn_pairs + b * sampled_rows + c * sequences``, where
+``g`` is piecewise linear in the step's token count with a knot at every
+width the profile measured. The knots are what lets the model follow a CPU
+BLAS whose cost is not monotone in the number of rows (2-3 rows can cost more
+than 4 here); the other terms are attention work, the LM head, and per-sequence
+host work. Coefficients are fitted by non-negative least squares on relative
+error, so short steps weigh as much as long ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from typing import Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat
+
+from cbcore.sim.shape import StepShape
+
+
+class FitError(BaseModel):
+    """How well the model reproduces the timed steps (relative errors, as fractions)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    num_steps: int
+    mean_abs: float = Field(description="Mean |predicted - measured| / measured over the fitted steps.")
+    p90_abs: float
+    max_abs: float
+    holdout_mean_abs: float | None = Field(
+        None, description="The same over every 5th step, left out of the fit."
+    )
+    total_time: float = Field(description="Sum of predicted over sum of measured step times, minus 1.")
+
+
+class FittedCost(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["fitted"] = "fitted"
+    knots: list[int] = Field(description="Token counts at which g is given (ascending).")
+    knot_s: list[NonNegativeFloat] = Field(description="g at each knot, seconds.")
+    per_attn_pair_s: NonNegativeFloat
+    per_sample_s: NonNegativeFloat
+    per_seq_s: NonNegativeFloat
+    fit: FitError
+
+    def step_time(self, shape: StepShape) -> float:
+        tokens = shape.num_tokens
+        if tokens > self.knots[-1]:  # proportional beyond the widest step measured
+            g = self.knot_s[-1] * tokens / self.knots[-1]
+        else:
+            g = float(np.interp(tokens, self.knots, self.knot_s))
+        return (
+            g
+            + self.per_attn_pair_s * shape.attn_pairs
+            + self.per_sample_s * shape.num_samples
+            + self.per_seq_s * shape.num_seqs
+        )
+
+
+def _design(shapes: Seq[StepShape], knots: Seq[int]) -> np.ndarray:
+    tokens = np.array([s.num_tokens for s in shapes], dtype=float)
+    cols = []
+    for j, k in enumerate(knots):  # hat functions: g(T) = sum_j g_j * hat_j(T)
+        hat = np.zeros_like(tokens)
+        if j > 0:
+            lo = knots[j - 1]
+            rising = (tokens >= lo) & (tokens <= k)
+            hat[rising] = (tokens[rising] - lo) / (k - lo)
+        else:
+            hat[tokens <= k] = 1.0
+        if j + 1 < len(knots):
+            hi = knots[j + 1]
+            falling = (tokens > k) & (tokens < hi)
+            hat[falling] = (hi - tokens[falling]) / (hi - k)
+        else:
+            hat[tokens > k] = tokens[tokens > k] / k  # proportional beyond the last knot
+        cols.append(hat)
+    cols.append(np.array([s.attn_pairs for s in shapes], dtype=float))
+    cols.append(np.array([s.num_samples for s in shapes], dtype=float))
+    cols.append(np.array([s.num_seqs for s in shapes], dtype=float))
+    return np.stack(cols, axis=1)
+
+
+def nnls(a: np.ndarray, b: np.ndarray, iterations: int = 200) -> np.ndarray:
+    """Non-negative least squares (Lawson-Hanson active set)."""
+    n = a.shape[1]
+    x = np.zeros(n)
+    passive = np.zeros(n, dtype=bool)
+    for _ in range(iterations):
+        w = a.T @ (b - a @ x)
+        candidates = ~passive & (w > 1e-12 * max(1.0, np.abs(w).max()))
+        if not candidates.any():
+            break
+        passive[np.argmax(np.where(candidates, w, -np.inf))] = True
+        while True:
+            z = np.zeros(n)
+            z[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
+            if (z[passive] > 0).all():
+                x = z
+                break
+            bad = passive & (z <= 0)
+            alpha = np.min(x[bad] / (x[bad] - z[bad]))
+            x = x + alpha * (z - x)
+            passive &= x > 1e-15
+    return x
+
+
+def fit_cost(shapes: Seq[StepShape], times: Seq[float], knots: Seq[int]) -> FittedCost:
+    """Fit on 4 of every 5 steps, report the error on all of them and on the 5th left out."""
+    if len(shapes) != len(times) or len(shapes) < 8:
+        raise ValueError(f"need at least 8 timed steps to fit a cost model, got {len(shapes)}")
+    knots = sorted(set(knots))
+    y = np.array(times, dtype=float)
+    x = _design(shapes, knots)
+    # Scale columns so the solver sees comparable magnitudes; weight rows by 1/y (relative error).
+    scale = np.maximum(np.abs(x).max(axis=0), 1e-12)
+    train = np.arange(len(y)) % 5 != 4
+    coef = _solve(x[train] / scale, y[train])
+    held = _errors(x[~train] / scale @ coef, y[~train])
+    coef = _solve(x / scale, y)  # the model kept uses every step
+    pred = x / scale @ coef
+    err = _errors(pred, y)
+    coef = coef / scale
+    k = len(knots)
+    return FittedCost(
+        knots=list(knots),
+        knot_s=[float(v) for v in coef[:k]],
+        per_attn_pair_s=float(coef[k]),
+        per_sample_s=float(coef[k + 1]),
+        per_seq_s=float(coef[k + 2]),
+        fit=FitError(
+            num_steps=len(y),
+            mean_abs=float(err.mean()),
+            p90_abs=float(np.quantile(err, 0.9)),
+            max_abs=float(err.max()),
+            holdout_mean_abs=float(held.mean()) if held.size else None,
+            total_time=float(pred.sum() / y.sum() - 1.0),
+        ),
+    )
+
+
+def _solve(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    w = 1.0 / y
+    return nnls(x * w[:, None], y * w)
+
+
+def _errors(pred: np.ndarray, y: np.ndarray) -> np.ndarray:
+    return np.abs(pred - y) / y

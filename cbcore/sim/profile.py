@@ -1,0 +1,99 @@
+"""The profile file: a step-time model and the identity of what it describes.
+
+A profile is JSON (``cb profile --out`` writes one; roofline profiles are
+written by hand or shipped under ``cbcore/sim/profiles``). It says which
+hardware, model, dtype, backend and thread count it stands for, so a
+simulation states what it simulated, and a measured profile carries its fit
+error.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError
+
+from cbcore.config import format_validation_error
+from cbcore.sim.fitted import FittedCost
+from cbcore.sim.model_shape import ModelShape
+from cbcore.sim.roofline import RooflineCost
+from cbcore.sim.shape import StepShape
+
+BUILTIN_DIR = Path(__file__).parent / "profiles"
+
+
+class ProfileError(ValueError):
+    """A profile file is missing or malformed; the message names the file and the field."""
+
+
+class Identity(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    hardware: str = Field(description="CPU model or accelerator name.")
+    model: str
+    dtype: Literal["float32", "float16", "bfloat16"]
+    backend: str
+    threads: PositiveInt | None = Field(None, description="torch threads when measured; None for a roofline.")
+    source: Literal["measured", "roofline"]
+    created: str | None = None
+    torch: str | None = None
+
+
+class Profile(BaseModel):
+    """Everything the simulator needs to price a step."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    version: Literal[1] = 1
+    identity: Identity
+    model: ModelShape
+    cost: Annotated[FittedCost | RooflineCost, Field(discriminator="kind")]
+
+    @property
+    def dtype_bytes(self) -> int:
+        return 4 if self.identity.dtype == "float32" else 2
+
+    def step_time(self, shape: StepShape, block_size: int) -> float:
+        if isinstance(self.cost, FittedCost):
+            return self.cost.step_time(shape)
+        return self.cost.step_time(shape, self.model, self.dtype_bytes, block_size)
+
+    def kv_memory_mb(self) -> float | None:
+        """Device memory for the KV pool that the profile itself states (roofline hardware), if any."""
+        return self.cost.hardware.kv_memory_mb if isinstance(self.cost, RooflineCost) else None
+
+    def describe(self) -> dict[str, object]:
+        data: dict[str, object] = self.identity.model_dump(exclude_none=True)
+        if isinstance(self.cost, FittedCost):
+            data["fit_mean_abs_error"] = self.cost.fit.mean_abs
+            data["fit_holdout_mean_abs_error"] = self.cost.fit.holdout_mean_abs
+        return data
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.model_dump_json(indent=2) + "\n")
+
+
+def builtin_profiles() -> list[str]:
+    return sorted(p.stem for p in BUILTIN_DIR.glob("*.json"))
+
+
+def load_profile(spec: str | Path) -> Profile:
+    """A path to a profile file, or the name of a built-in profile (``h200-llama-3-8b``)."""
+    path = Path(spec)
+    if not path.exists() and (BUILTIN_DIR / f"{spec}.json").exists():
+        path = BUILTIN_DIR / f"{spec}.json"
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        known = ", ".join(builtin_profiles())
+        raise ProfileError(
+            f"cannot read profile {spec}: {exc.strerror} (built-in profiles: {known})"
+        ) from None
+    try:
+        return Profile.model_validate(json.loads(text))
+    except json.JSONDecodeError as exc:
+        raise ProfileError(f"profile {path}: not valid JSON ({exc.msg}, line {exc.lineno})") from None
+    except ValidationError as exc:
+        raise ProfileError(f"profile {path}: {format_validation_error(exc)}") from None

@@ -1,0 +1,202 @@
+"""`cb profile`: time real engine steps over a grid of step shapes and fit a step-time model.
+
+The steps are the engine's own (scheduler, packing, forward, sampling and
+bookkeeping, timed by :class:`~cbcore.stats.StepStats`), driven with request
+groups chosen to cover the shapes a workload produces: decode batches of every
+width in the grid at short and long contexts (attention work), whole and
+chunked prefills of several sizes, and prefills joining running decodes
+(mixed steps). The widths are dense where a CPU BLAS changes regime (1-4, 6,
+8, 12, ...), since step cost is not monotone there.
+"""
+
+from __future__ import annotations
+
+import platform
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cbcore.config import EngineConfig
+from cbcore.engine import Engine
+from cbcore.engine_core import Executor, Sampled, StepRecord
+from cbcore.log import get_logger
+from cbcore.scheduling.sampling_params import SamplingParams
+from cbcore.scheduling.scheduler import SchedulerOutput
+from cbcore.sim.fitted import fit_cost
+from cbcore.sim.model_shape import ModelShape
+from cbcore.sim.profile import Identity, Profile
+from cbcore.sim.shape import StepShape
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class Grid:
+    widths: tuple[int, ...]  # decode batch widths
+    group_tokens: int  # prompt tokens per decode group (long context = group_tokens // width)
+    short_context: int
+    prefills: tuple[int, ...]  # single-prompt prefill sizes
+    mixed: tuple[tuple[int, int], ...]  # (decodes running, prompt joining)
+    decode_steps: int
+    chunk: int  # chunked-prefill chunk, and the largest prefill piece of one sequence
+
+    @property
+    def knots(self) -> list[int]:
+        top = max(self.widths) + self.chunk * 2
+        extra = [k for k in (16, 32, 64, 128, 256, 512, 1024, 2048, 4096) if k <= top]
+        return sorted({*self.widths, *extra, top})
+
+
+FULL = Grid(
+    widths=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64),
+    group_tokens=2048,
+    short_context=16,
+    prefills=(16, 32, 64, 128, 256, 512, 1024),
+    mixed=((4, 64), (4, 512), (16, 128), (16, 512), (32, 256), (32, 512)),
+    decode_steps=8,
+    chunk=512,
+)
+QUICK = Grid(
+    widths=(1, 2, 3, 4, 8, 16),
+    group_tokens=256,
+    short_context=8,
+    prefills=(16, 64, 256),
+    mixed=((4, 64), (8, 128)),
+    decode_steps=4,
+    chunk=128,
+)
+
+
+class _Recording:
+    """Wraps the engine's executor to note each step's shape before it runs."""
+
+    def __init__(self, inner: Executor) -> None:
+        self.inner = inner
+        self.shapes: list[StepShape] = []
+
+    def prepare(self, out: SchedulerOutput) -> Any:
+        self.shapes.append(StepShape.of(out))
+        return self.inner.prepare(out)
+
+    def batch_of(self, prepared: Any) -> Any:
+        return self.inner.batch_of(prepared)
+
+    def forward(self, prepared: Any) -> Any:
+        return self.inner.forward(prepared)
+
+    def sample(self, prepared: Any, forwarded: Any) -> Sampled:
+        return self.inner.sample(prepared, forwarded)
+
+
+def profile_config(config: EngineConfig, grid: Grid) -> EngineConfig:
+    """The user's config (backend, KV layout, model) with a budget wide enough for every grid shape."""
+    data = config.model_dump()
+    data["scheduler"] = {
+        "queue": {"name": "fcfs"},
+        "budget": {
+            "name": "token-budget",
+            "max_num_seqs": max(grid.widths) + 1,
+            "max_num_batched_tokens": 4 * grid.chunk,
+        },
+        "prefill": {"name": "chunked-prefill", "chunk_size": grid.chunk},
+        "preemption": {"name": "recompute"},
+    }
+    return EngineConfig.model_validate(data)
+
+
+def measure(
+    engine: Engine, grid: Grid, seed: int = 0, progress: Callable[[str], None] | None = None
+) -> tuple[list[StepShape], list[float]]:
+    """Run the grid's request groups through ``engine``; every non-empty step's shape and seconds."""
+    rng = random.Random(seed)
+    recorder = _Recording(engine.executor)
+    engine.executor = recorder
+    times: list[float] = []
+
+    def listen(record: StepRecord) -> None:
+        if record.stats.num_seqs:
+            times.append(record.stats.total_s)
+
+    engine.step_listeners.append(listen)
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(engine.vocab_size) for _ in range(n)]
+
+    def params(n: int) -> SamplingParams:
+        return SamplingParams(max_new_tokens=n, ignore_eos=True)
+
+    def drain() -> None:
+        while engine.has_unfinished():
+            engine.step()
+
+    try:
+        engine.generate([prompt(8)], params(3))  # first-call costs, then forget those steps
+        del recorder.shapes[:], times[:]
+        for width in grid.widths:
+            for context in sorted({grid.short_context, max(grid.short_context, grid.group_tokens // width)}):
+                if progress:
+                    progress(f"decode width {width}, context {context}")
+                for _ in range(width):
+                    engine.add_request(prompt(context), params(grid.decode_steps + 1))
+                drain()
+        for size in grid.prefills:
+            if progress:
+                progress(f"prefill {size}")
+            engine.add_request(prompt(size), params(1))
+            drain()
+        for decodes, joining in grid.mixed:
+            if progress:
+                progress(f"{decodes} decodes + prefill {joining}")
+            for _ in range(decodes):
+                engine.add_request(prompt(grid.short_context), params(grid.decode_steps + 4))
+            engine.step()
+            engine.step()
+            engine.add_request(prompt(joining), params(2))
+            drain()
+    finally:
+        engine.executor = recorder.inner
+        engine.step_listeners.remove(listen)
+    if len(recorder.shapes) != len(times):
+        raise RuntimeError(f"{len(recorder.shapes)} step shapes for {len(times)} timed steps")
+    return recorder.shapes, times
+
+
+def make_profile(engine: Engine, model_name: str, grid: Grid = FULL, seed: int = 0, progress=None) -> Profile:
+    """Measure ``engine`` on ``grid`` and fit; the profile names what it was measured on."""
+    started = time.perf_counter()
+    shapes, times = measure(engine, grid, seed, progress)
+    cost = fit_cost(shapes, times, grid.knots)
+    log.info(
+        "profile fitted", steps=len(times), seconds=time.perf_counter() - started, **cost.fit.model_dump()
+    )
+    param = next(engine.model.parameters())
+    identity = Identity(
+        hardware=_hardware_name(param.device),
+        model=model_name,
+        dtype=str(param.dtype).removeprefix("torch."),
+        backend=engine.config.backend.name,
+        threads=torch.get_num_threads(),
+        source="measured",
+        created=datetime.now(UTC).isoformat(timespec="seconds"),
+        torch=torch.__version__,
+    )
+    return Profile(identity=identity, model=ModelShape.of(model_name, engine.model.config), cost=cost)
+
+
+def _hardware_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        text = ""
+    for line in text.splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
