@@ -81,5 +81,10 @@ def test_cb_simulate_compares_routers_over_replicas(tmp_path: Path, capsys) -> N
     assert [r["name"] for r in rows] == ["round-robin", "least-loaded"]
     assert all(r["completed"] == 120 and r["replicas"] == 4 for r in rows)
     assert rows[0]["placed_min_max"] == [30, 30]  # round robin: exactly a quarter each
+    alone = tmp_path / "alone.json"
+    assert main(["simulate", "--profile", "h200-llama-3-8b", "--workload", WORKLOAD, "--no-progress",
+                 "--set", "scheduler.budget.max_num_seqs=4", "--json", str(alone)]) == 0  # fmt: skip
+    # --router changes the router only: each replica's KV pool is the one a plain row gets
+    assert {r["kv_blocks"] for r in rows} == {json.loads(alone.read_text())["rows"][0]["kv_blocks"]}
     assert main(["simulate", "--profile", "h200-llama-3-8b", "--router", "round-robin"]) == 2
     assert "--router needs --replicas" in capsys.readouterr().err

@@ -134,7 +134,7 @@ def with_routers(configs: list[tuple[str, Any]], routers: list[str]) -> list[tup
     for name, config in configs:
         for router in routers:
             try:
-                cfg = EngineConfig.model_validate({**config.model_dump(), "router": {"name": router}})
+                cfg = EngineConfig.model_validate({**config.model_dump(exclude_unset=True), "router": {"name": router}})
             except (ValueError, ConfigError, PluginError) as exc:
                 raise CLIError(f"--router {router}: {exc}") from None
             rows.append((f"{name} {router}" if len(configs) > 1 else router, cfg))
