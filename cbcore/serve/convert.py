@@ -1,0 +1,117 @@
+"""From a validated request body to what the engine takes: token ids, SamplingParams, scheduling fields.
+
+Everything that can be refused is refused here, before the request reaches
+the engine and before any token is generated, with the OpenAI field it is
+about: a prompt that is empty or longer than the context, a request whose
+prompt plus ``max_tokens`` can never fit the model's context or the KV cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from cbcore.scheduling.sampling_params import SamplingParams
+from cbcore.serve.errors import ApiError
+from cbcore.serve.protocol import ChatRequest, CompletionRequest
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the engine can hold; fixed when it starts, so handlers may read it from any thread."""
+
+    vocab_size: int
+    max_model_len: int | None
+    block_size: int
+    num_blocks: int
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.block_size * self.num_blocks
+
+    @classmethod
+    def of(cls, engine: Any) -> Limits:
+        blocks = engine.scheduler.blocks
+        return cls(engine.vocab_size, engine.max_model_len, blocks.block_size, blocks.num_blocks)
+
+
+def completion_prompt(body: CompletionRequest, tokenizer: Any) -> list[int]:
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        if len(prompt) != 1:
+            raise ApiError(400, f"{len(prompt)} prompts in one request are not supported; send one", "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return list(tokenizer.encode(prompt))
+    return list(prompt)
+
+
+def chat_prompt(body: ChatRequest, tokenizer: Any) -> list[int]:
+    if not getattr(tokenizer, "chat_template", None):
+        raise ApiError(400, "this model has no chat template; use /v1/completions", "messages")
+    try:
+        messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in body.messages]
+    except ValueError as exc:
+        raise ApiError(400, str(exc), "messages") from None
+    try:
+        ids = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    except Exception as exc:  # a template may raise on roles it does not know
+        raise ApiError(400, f"the chat template refused these messages: {exc}", "messages") from None
+    return list(ids)
+
+
+def check_prompt(ids: list[int], limits: Limits, field: str) -> None:
+    if not ids:
+        raise ApiError(400, "the prompt is empty", field)
+    bad = next((t for t in ids if not 0 <= t < limits.vocab_size), None)
+    if bad is not None:
+        raise ApiError(400, f"token id {bad} is outside the vocabulary (size {limits.vocab_size})", field)
+    if limits.max_model_len is not None and len(ids) >= limits.max_model_len:
+        raise ApiError(
+            400,
+            f"the prompt has {len(ids)} tokens; this model's context is {limits.max_model_len} tokens",
+            field,
+        )
+    if -(-len(ids) // limits.block_size) > limits.num_blocks:
+        raise ApiError(
+            400, f"the prompt has {len(ids)} tokens; the KV cache holds {limits.kv_tokens} in all", field
+        )
+
+
+def max_new_tokens(requested: int | None, prompt_len: int, limits: Limits, field: str) -> int:
+    """``requested`` if it can fit; by default whatever room the context and the KV cache leave."""
+    room = limits.kv_tokens - prompt_len
+    if limits.max_model_len is not None:
+        room = min(room, limits.max_model_len - prompt_len)
+    if requested is None:
+        return max(room, 1)
+    if requested > room:
+        raise ApiError(
+            400,
+            f"{field}={requested} plus the prompt's {prompt_len} tokens can never fit: the model's context "
+            f"is {limits.max_model_len} tokens and the KV cache holds {limits.kv_tokens}",
+            field,
+        )
+    return requested
+
+
+def sampling_params(body: CompletionRequest | ChatRequest, max_tokens: int) -> SamplingParams:
+    values = {
+        "max_new_tokens": max_tokens,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "top_k": max(body.top_k, 0),
+        "seed": body.seed,
+        "ignore_eos": body.ignore_eos,
+    }
+    try:
+        return SamplingParams(**values)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        msg = err["msg"].removeprefix("Value error, ")
+        field = str(err["loc"][0]) if err["loc"] else "temperature"
+        raise ApiError(400, msg, {"max_new_tokens": "max_tokens"}.get(field, field)) from None

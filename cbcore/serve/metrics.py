@@ -1,0 +1,159 @@
+"""``/metrics``: Prometheus series under vLLM's names, prefixed ``cbcore:``.
+
+Every series carries ``model_name`` and ``policy`` (the scheduler's policy
+mix, e.g. ``fcfs+token-budget+chunked-prefill+recompute``), so two servers
+running two policies can be put side by side on one dashboard. Gauges come
+from :meth:`Engine.load` after every step; latencies are observed when a
+request finishes, from the engine's own timestamps.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    disable_created_metrics,
+)
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from cbcore.config import EngineConfig
+from cbcore.engine import StepRecord
+from cbcore.outputs import RequestOutput
+from cbcore.stats import EngineLoad
+
+PREFIX = "cbcore:"
+LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0,
+)  # fmt: skip
+E2E_BUCKETS = (
+    0.1,
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+)
+TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+def policy_label(config: EngineConfig) -> str:
+    """The policy mix in `--policy` form; a whole-scheduler plugin is named alone."""
+    sched = config.scheduler
+    if sched.name is not None:
+        return sched.name
+    return "+".join(getattr(sched, slot).name for slot in ("queue", "budget", "prefill", "preemption"))
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, policy: str) -> None:
+        disable_created_metrics()  # no `_created` twin of every series, as vLLM does
+        self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)  # process_resident_memory_bytes and friends
+        labels = {"model_name": model_name, "policy": policy}
+        names = list(labels)
+        reg = self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, names, registry=reg).labels(**labels)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(PREFIX + name, doc, names, registry=reg).labels(**labels)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, doc, names, buckets=buckets, registry=reg).labels(**labels)
+
+        self.running = gauge("num_requests_running", "Requests holding KV blocks (running).")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.swapped = gauge("num_requests_swapped", "Requests whose KV is swapped out to host memory.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Share of the device KV blocks in use (1 = full).")
+        self.kv_used = gauge("kv_cache_blocks_used", "Device KV blocks in use.")
+        self.kv_total = gauge("kv_cache_blocks_total", "Device KV blocks in the pool.")
+        self.preemptions = counter("num_preemptions", "Preemptions since the server started.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that produced a token.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self._success = Counter(
+            PREFIX + "request_success",
+            "Finished requests by reason.",
+            [*names, "finished_reason"],
+            registry=reg,
+        )
+        self._labels = labels
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.", LATENCY_BUCKETS)
+        self.itl = histogram(
+            "inter_token_latency_seconds", "Gap between consecutive tokens.", LATENCY_BUCKETS
+        )
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", E2E_BUCKETS)
+        self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled.", E2E_BUCKETS)
+        self.iteration_tokens = histogram(
+            "iteration_tokens_total", "Tokens computed per step.", TOKEN_BUCKETS
+        )
+        self._last = EngineLoad(0, 0, 0, 0, 0, 0)
+
+    def finished(self, reason: str) -> None:
+        self._success.labels(**self._labels, finished_reason=reason).inc()
+
+    def on_load(self, load: EngineLoad) -> None:
+        self.running.set(load.num_running)
+        self.waiting.set(load.num_waiting)
+        self.swapped.set(load.num_swapped)
+        self.kv_used.set(load.kv_blocks_used)
+        self.kv_total.set(load.kv_blocks_total)
+        self.kv_usage.set(load.kv_usage)
+        self.preemptions.inc(max(0, load.num_preemptions_total - self._last.num_preemptions_total))
+        self.prefix_queries.inc(
+            max(0, load.prefix_cache_queries_tokens - self._last.prefix_cache_queries_tokens)
+        )
+        self.prefix_hits.inc(max(0, load.prefix_cache_hits_tokens - self._last.prefix_cache_hits_tokens))
+        self._last = load
+
+    def on_step(self, record: StepRecord) -> None:
+        """A step listener (engine thread)."""
+        if record.stats.num_tokens:
+            self.iteration_tokens.observe(record.stats.num_tokens)
+
+    def observe(self, outputs: list[RequestOutput], load: EngineLoad) -> None:
+        """After every step (engine thread): load, token counts, latencies of what finished."""
+        self.on_load(load)
+        generated = 0
+        for out in outputs:
+            n = len(out.new_token_ids)
+            generated += n
+            if n and len(out.output_token_ids) == n:  # the request's first token
+                self.prompt_tokens.inc(len(out.prompt_token_ids))
+            if out.finished:
+                self._observe_finished(out)
+        if generated:
+            self.generation_tokens.inc(generated)
+
+    def _observe_finished(self, out: RequestOutput) -> None:
+        self.finished(out.finish_reason or "unknown")
+        m = out.metrics
+        if m is None:
+            return
+        for value, hist in ((m.ttft, self.ttft), (m.e2e, self.e2e), (m.queue_time, self.queue)):
+            if value is not None:
+                hist.observe(value)
+        for gap in m.itl:
+            self.itl.observe(gap)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
