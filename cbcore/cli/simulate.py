@@ -48,6 +48,24 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
         "--policy", action="append", default=[], dest="policies", metavar="MIX", help="e.g. priority+chunked"
     )
     parser.add_argument(
+        "--replicas", type=int, default=1, metavar="N", help="N engines per row behind the config's router"
+    )
+    parser.add_argument(
+        "--router",
+        action="append",
+        default=[],
+        dest="routers",
+        metavar="NAME",
+        help="with --replicas: one row per router (repeatable; default: the config's router)",
+    )
+    parser.add_argument(
+        "--load-interval",
+        type=float,
+        default=0.5,
+        metavar="S",
+        help="seconds of virtual time between the load reports routers read (default 0.5)",
+    )
+    parser.add_argument(
         "--tokenizer", metavar="DIR", help="tokenizer for text prompts (default: the model's)"
     )
     parser.add_argument("--slo", metavar="ttft:MS,tpot:MS", help="latency objectives for goodput")
@@ -71,6 +89,12 @@ def run(args: argparse.Namespace) -> int:
     profile = load_profile(args.profile)
     slo = SLO.parse(args.slo) if args.slo else None
     configs = build_configs(args)
+    if args.replicas < 1:
+        raise CLIError(f"--replicas must be at least 1, got {args.replicas}")
+    if args.routers:
+        if args.replicas == 1:
+            raise CLIError("--router needs --replicas N with N > 1 (one engine has nothing to route)")
+        configs = with_routers(configs, args.routers)
     workload = load_workload(args.workload, profile.model.vocab_size)
     if args.save_trace:
         workload.save(args.save_trace)
@@ -84,6 +108,8 @@ def run(args: argparse.Namespace) -> int:
         configs,
         slo=slo,
         progress=progress_factory(args.no_progress),
+        replicas=args.replicas,
+        load_interval_s=args.load_interval,
     )
     p = profile.identity
     print(
@@ -97,6 +123,22 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         report.plot(result, args.plot)
     return 0
+
+
+def with_routers(configs: list[tuple[str, Any]], routers: list[str]) -> list[tuple[str, Any]]:
+    """Each row once per router, named ``row router``."""
+    from cbcore.config import ConfigError, EngineConfig
+    from cbcore.plugins import PluginError
+
+    rows = []
+    for name, config in configs:
+        for router in routers:
+            try:
+                cfg = EngineConfig.model_validate({**config.model_dump(exclude_unset=True), "router": {"name": router}})
+            except (ValueError, ConfigError, PluginError) as exc:
+                raise CLIError(f"--router {router}: {exc}") from None
+            rows.append((f"{name} {router}" if len(configs) > 1 else router, cfg))
+    return rows
 
 
 def _tokenizer(path: str | None, model_path: str | None) -> Any:

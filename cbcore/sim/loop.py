@@ -85,7 +85,8 @@ def simulate_run(
             i = order[nxt]
             nxt += 1
             req = requests[i]
-            target = replicas[_place(placement, req, replicas)]
+            where = _place(placement, req, replicas)
+            target = replicas[where]
             if not target.busy:
                 if len(replicas) == 1:
                     idle += max(0.0, t_arrival - target.clock())
@@ -93,6 +94,7 @@ def simulate_run(
             refused = submit(target.engine, req, token_ids[i], t_arrival)
             if refused is not None:
                 done[i] = refused
+                placement.done(req.request_id, where)
                 bar.update(1)
             continue
         if stepper is None:  # nothing runs and nothing arrives, yet requests are missing

@@ -15,9 +15,11 @@ from cbcore.bench.metrics import SLO, latency_samples
 from cbcore.bench.suite import BenchResult, budget_limit, summarize_runs
 from cbcore.bench.workload import Workload
 from cbcore.config import EngineConfig
+from cbcore.plugins import get_registry
 from cbcore.sim.executor import VirtualClock, sim_engine
 from cbcore.sim.loop import Replica, simulate_run
 from cbcore.sim.profile import Profile
+from cbcore.sim.routing import RouterPlacement
 
 
 def simulate_suite(
@@ -28,22 +30,49 @@ def simulate_suite(
     *,
     slo: SLO | None = None,
     progress: ProgressFactory = no_progress,
+    replicas: int = 1,
+    load_interval_s: float = 0.5,
 ) -> BenchResult:
-    """Every configuration on ``workload``, each on a fresh engine and clock; one row each."""
+    """Every configuration on ``workload``, each on fresh engines and clocks; one row each.
+
+    With ``replicas`` > 1, each row is that many engines of its configuration
+    behind its ``router`` plugin, which reads their load every
+    ``load_interval_s`` of virtual time.
+    """
+    if replicas < 1:
+        raise ValueError(f"replicas must be at least 1, got {replicas}")
     names = [n for n, _ in configs]
     if len(set(names)) != len(names):
         raise ValueError(f"two rows share a name: {names}")
     rows = []
     samples = {}
     for name, config in configs:
-        clock = VirtualClock()
-        engine = sim_engine(config, profile, clock)
-        run = simulate_run([Replica(engine, clock)], name, workload, token_ids, progress=progress)
+        engines = []
+        for _ in range(replicas):
+            clock = VirtualClock()
+            engines.append(Replica(sim_engine(config, profile, clock), clock))
+        placement = None
+        if replicas > 1:
+            placement = RouterPlacement(
+                get_registry(tuple(config.plugins)).create(
+                    "router", config.router.name, config.router.params, "router"
+                ),
+                replicas,
+                {r.request_id: ids for r, ids in zip(workload.requests, token_ids, strict=True)},
+                load_interval_s,
+            )
+        run = simulate_run(engines, name, workload, token_ids, placement=placement, progress=progress)
         run.info = {
             "scheduler": config.scheduler.model_dump(exclude_defaults=True) or "default",
             "max_num_seqs": budget_limit(config, "max_num_seqs"),
-            "kv_blocks": engine.scheduler.blocks.num_blocks,
+            "kv_blocks": engines[0].engine.scheduler.blocks.num_blocks,
         }
+        if placement is not None:
+            run.info |= {
+                "replicas": replicas,
+                "router": config.router.model_dump(),
+                "placed_min_max": [min(placement.placed), max(placement.placed)],
+            }
         rows.append(summarize_runs(None, workload, [run], None, slo))
         samples[name] = latency_samples(run.outputs)
     described: dict[str, Any] = {**workload.describe(), "profile": profile.describe()}

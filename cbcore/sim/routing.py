@@ -1,0 +1,68 @@
+"""N simulated replicas behind a router plugin: the same router class `cb serve --replicas` runs.
+
+A router reads each replica's load the way it does behind Ray Serve: an
+``EngineLoad`` snapshot refreshed every ``load_interval_s`` (here of virtual
+time, so a stale report herds requests exactly as it would live) and its
+own exact count of requests in flight per replica.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from collections.abc import Sequence as Seq
+
+from cbcore.bench.workload import BenchRequest
+from cbcore.scheduling.router import ReplicaView, Router, RouteRequest, checked_choice
+from cbcore.sim.loop import Replica
+from cbcore.stats import EngineLoad
+
+
+def replica_ids(n: int) -> list[str]:
+    """Ids that sort in index order (routers see replicas sorted by id)."""
+    width = len(str(max(n - 1, 0)))
+    return [f"replica-{i:0{width}d}" for i in range(n)]
+
+
+class RouterPlacement:
+    """The simulation's placement (:class:`cbcore.sim.loop.Placement`) by a router plugin."""
+
+    def __init__(
+        self, router: Router, n: int, token_ids: Mapping[str, Seq[int]], load_interval_s: float = 0.5
+    ) -> None:
+        if load_interval_s <= 0:
+            raise ValueError(f"load_interval_s must be > 0, got {load_interval_s}")
+        self.router = router
+        self.ids = replica_ids(n)
+        self.token_ids = token_ids
+        self.load_interval_s = load_interval_s
+        self.in_flight = [0] * n
+        self.placed = [0] * n
+        self._loads: list[EngineLoad] | None = None
+        self._loads_at = -float("inf")
+
+    def place(self, request: BenchRequest, replicas: Seq[Replica]) -> int:
+        now = request.arrival_s
+        if now - self._loads_at >= self.load_interval_s:
+            self._loads = [r.engine.load() for r in replicas]
+            self._loads_at = now
+        age = now - self._loads_at
+        assert self._loads is not None
+        views = [
+            ReplicaView(rid, load, age, flying)
+            for rid, load, flying in zip(self.ids, self._loads, self.in_flight, strict=True)
+        ]
+        req = RouteRequest(
+            request.request_id,
+            tuple(self.token_ids.get(request.request_id, ())),
+            request.priority,
+            request.client_id,
+        )
+        index = self.ids.index(checked_choice(self.router, req, views))
+        self.in_flight[index] += 1
+        self.placed[index] += 1
+        self.router.on_routed(req, self.ids[index])
+        return index
+
+    def done(self, request_id: str, replica: int) -> None:
+        self.in_flight[replica] = max(0, self.in_flight[replica] - 1)
+        self.router.on_done(request_id, self.ids[replica])

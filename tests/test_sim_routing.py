@@ -1,0 +1,90 @@
+"""Routers over N simulated replicas: the same plugin classes `cb serve --replicas` runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from cbcore import Router
+from cbcore.bench.generator import generate
+from cbcore.cli.main import main
+from cbcore.config import EngineConfig
+from cbcore.sim.executor import VirtualClock, sim_engine
+from cbcore.sim.loop import Replica, simulate_run
+from cbcore.sim.profile import load_profile
+from cbcore.sim.routing import RouterPlacement, replica_ids
+
+WORKLOAD = "poisson:n=120,rate=40,lengths=sharegpt,seed=2"
+
+
+class Recording(Router):
+    """Least in flight, writing down what it saw."""
+
+    name = "recording"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[float, tuple, float]] = []
+
+    def choose(self, request, replicas):
+        self.seen.append(
+            (request.request_id, tuple(r.queue_len for r in replicas), max(r.load_age_s for r in replicas))
+        )
+        return min(replicas, key=lambda r: (r.num_in_flight, r.replica_id)).replica_id
+
+
+def run(router: Router, n: int, interval: float):
+    profile = load_profile("h200-llama-3-8b")
+    workload = generate(WORKLOAD, profile.model.vocab_size)
+    ids = [r.token_ids(None) for r in workload.requests]
+    cfg = EngineConfig.from_dict({}, ["scheduler.budget.max_num_seqs=4"])
+    replicas = []
+    for _ in range(n):
+        clock = VirtualClock()
+        replicas.append(Replica(sim_engine(cfg, profile, clock), clock))
+    placement = RouterPlacement(router, n, {r.request_id: i for r, i in zip(workload.requests, ids, strict=True)}, interval)
+    result = simulate_run(replicas, "x", workload, ids, placement=placement)
+    return result, placement, workload
+
+
+def test_replica_ids_sort_in_index_order() -> None:
+    ids = replica_ids(12)
+    assert ids == sorted(ids) and ids[0] == "replica-00" and ids[11] == "replica-11"
+
+
+def test_loads_reach_the_router_at_the_stated_interval_and_in_flight_is_exact() -> None:
+    router = Recording()
+    result, placement, workload = run(router, 3, interval=0.25)
+    assert all(o.finish_reason == "length" for o in result.outputs)
+    assert all(age < 0.25 for _, _, age in router.seen)  # never older than the interval
+    arrivals = {r.request_id: r.arrival_s for r in workload.requests}
+    snapshots = {}
+    for rid, queues, age in router.seen:
+        snapshots.setdefault(round(arrivals[rid] - age, 9), set()).add(queues)
+    assert all(len(s) == 1 for s in snapshots.values())  # one report per refresh, shared until the next
+    assert len(snapshots) > 3 and any(any(q) for s in snapshots.values() for q in s)
+    assert placement.in_flight == [0, 0, 0]  # every placed request was seen finishing
+    assert sum(placement.placed) == len(workload.requests)
+
+
+def test_cb_simulate_compares_routers_over_replicas(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "routers.json"
+    rc = main(
+        [
+            "simulate", "--profile", "h200-llama-3-8b", "--workload", WORKLOAD, "--no-progress",
+            "--replicas", "4", "--router", "round-robin", "--router", "least-loaded",
+            "--set", "scheduler.budget.max_num_seqs=4", "--json", str(out),
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["name"] for r in rows] == ["round-robin", "least-loaded"]
+    assert all(r["completed"] == 120 and r["replicas"] == 4 for r in rows)
+    assert rows[0]["placed_min_max"] == [30, 30]  # round robin: exactly a quarter each
+    alone = tmp_path / "alone.json"
+    assert main(["simulate", "--profile", "h200-llama-3-8b", "--workload", WORKLOAD, "--no-progress",
+                 "--set", "scheduler.budget.max_num_seqs=4", "--json", str(alone)]) == 0  # fmt: skip
+    # --router changes the router only: each replica's KV pool is the one a plain row gets
+    assert {r["kv_blocks"] for r in rows} == {json.loads(alone.read_text())["rows"][0]["kv_blocks"]}
+    assert main(["simulate", "--profile", "h200-llama-3-8b", "--router", "round-robin"]) == 2
+    assert "--router needs --replicas" in capsys.readouterr().err
