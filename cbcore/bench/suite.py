@@ -20,6 +20,7 @@ import torch
 
 from cbcore.bench.baselines import BASELINES, run_hf_generate_batch, run_hf_static
 from cbcore.bench.driver import ProgressFactory, RunResult, no_progress, run_engine, warm_up
+from cbcore.bench.http_driver import run_http
 from cbcore.bench.metrics import SLO, latency_samples, summarize
 from cbcore.bench.workload import Workload
 from cbcore.config import EngineConfig
@@ -88,8 +89,13 @@ def run_suite(
     reference: bool = True,
     repeat: int = 1,
     progress: ProgressFactory = no_progress,
+    servers: Seq[tuple[str, str]] = (),
+    api_key: str | None = None,
 ) -> BenchResult:
     """Run every configuration and baseline on ``workload``; one row each, in the order given.
+
+    ``servers`` are (row name, URL) pairs: each row drives a running `cb serve`
+    over HTTP with streaming clients (:mod:`cbcore.bench.http_driver`).
 
     With ``repeat`` > 1 every row runs that many times and reports its median run
     (by duration); the reference check covers every run.
@@ -97,7 +103,7 @@ def run_suite(
     unknown = [b for b in baselines if b not in BASELINES]
     if unknown:
         raise ValueError(f"unknown baseline {unknown[0]!r}; known: {', '.join(BASELINES)}")
-    names = [n for n, _ in configs] + list(baselines)
+    names = [n for n, _ in configs] + [n for n, _ in servers] + list(baselines)
     if len(set(names)) != len(names):
         raise ValueError(f"two rows share a name: {names}")
     if repeat < 1:
@@ -111,6 +117,8 @@ def run_suite(
     runners: dict[str, Callable[[], RunResult]] = {}
     for name, config in configs:
         runners[name] = partial(_run_config, model, tokenizer, name, config, workload, token_ids, progress)
+    for name, url in servers:
+        runners[name] = partial(run_http, url, name, workload, token_ids, api_key=api_key, progress=progress)
     for name in baselines:
         limits = {"batch_size": batch_size}
         if name == "hf-generate-batch":

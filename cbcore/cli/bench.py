@@ -2,14 +2,21 @@
 
 Every ``--config`` x ``--policy`` x ``--backend`` combination is one row (the
 flags that are not given do not multiply); ``--baseline`` adds outside
-baselines on the same requests. All rows run in this process on one model.
+baselines on the same requests. All rows run in this process on one model,
+except ``--server URL`` rows (a running `cb serve`, driven over HTTP with
+streaming clients) and, with ``--serve``, one extra row per configuration
+served by a `cb serve` subprocess started for it (``NAME@http``): the same
+trace in process and over the wire, side by side.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +76,20 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
         "default: the largest max_num_seqs among the configurations (hf-generate-batch also gets "
         "their largest max_num_batched_tokens)",
     )
+    parser.add_argument(
+        "--server",
+        action="append",
+        default=[],
+        dest="servers",
+        metavar="URL",
+        help="add a row driving a running `cb serve` at URL over HTTP (repeatable)",
+    )
+    parser.add_argument(
+        "--serve",
+        action="store_true",
+        help="also run every configuration behind a `cb serve` subprocess (rows NAME@http)",
+    )
+    parser.add_argument("--api-key", metavar="KEY", help="API key for --server (default: $CBCORE_API_KEY)")
     parser.add_argument("--slo", metavar="ttft:MS,tpot:MS", help="latency objectives for goodput")
     parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
     parser.add_argument("--csv", metavar="FILE", help="write the rows as CSV")
@@ -152,19 +173,25 @@ def run(args: argparse.Namespace) -> int:
         workload = load_workload(args.workload, vocab, special)
     if args.save_trace:
         workload.save(args.save_trace)
-    result = run_suite(
-        model,
-        tokenizer,
-        workload,
-        configs,
-        baselines=args.baselines,
-        batch_size=batch_size,
-        batch_tokens=batch_tokens,
-        slo=slo,
-        reference=not args.no_reference,
-        repeat=args.repeat,
-        progress=progress_factory(args.no_progress),
-    )
+    with contextlib.ExitStack() as stack:
+        servers = [(f"http:{url}", url) for url in args.servers]
+        if args.serve:
+            servers += start_servers(stack, configs, args.threads)
+        result = run_suite(
+            model,
+            tokenizer,
+            workload,
+            configs,
+            baselines=args.baselines,
+            batch_size=batch_size,
+            batch_tokens=batch_tokens,
+            slo=slo,
+            reference=not args.no_reference,
+            repeat=args.repeat,
+            progress=progress_factory(args.no_progress),
+            servers=servers,
+            api_key=args.api_key or os.environ.get("CBCORE_API_KEY"),
+        )
     print(report.table(result))
     if args.json:
         report.write_json(result, args.json)
@@ -173,6 +200,23 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         report.plot(result, args.plot)
     return 0
+
+
+def start_servers(
+    stack: contextlib.ExitStack, configs: list[tuple[str, Any]], threads: int | None
+) -> list[tuple[str, str]]:
+    """One `cb serve` subprocess per configuration, stopped when ``stack`` closes."""
+    from cbcore.serve.launch import ServerProcess
+
+    servers = []
+    tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="cb-bench-serve-")))
+    for i, (name, config) in enumerate(configs):
+        path = tmp / f"config-{i}.json"
+        path.write_text(config.model_dump_json(exclude_unset=True))
+        flags = ["--config", str(path)] + (["--threads", str(threads)] if threads else [])
+        server = stack.enter_context(ServerProcess(flags))
+        servers.append((f"{name}@http", server.url))
+    return servers
 
 
 def progress_factory(disabled: bool) -> Any:

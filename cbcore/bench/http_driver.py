@@ -1,0 +1,139 @@
+"""Running one workload against a server over HTTP, with streaming clients.
+
+Each request is its own client task that waits for its arrival offset, then
+streams ``/v1/completions`` with the workload's token ids as the prompt
+(greedy, ``return_token_ids``), and timestamps every chunk as it is read. The
+result is the same :class:`RunResult` the in-process driver returns, so the
+metrics, the reference check and the report are the benchmark's own: TTFT,
+ITL and e2e are what a client sees, wire and server included.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from cbcore.bench.driver import ProgressFactory, RunResult, no_progress
+from cbcore.bench.workload import BenchRequest, Workload
+from cbcore.outputs import RequestMetrics, RequestOutput
+from cbcore.scheduling.request_fields import thaw
+
+
+def run_http(
+    url: str,
+    name: str,
+    workload: Workload,
+    token_ids: Seq[Seq[int]],
+    *,
+    api_key: str | None = None,
+    progress: ProgressFactory = no_progress,
+) -> RunResult:
+    """Drive the server at ``url`` (``http://host:port``) with ``workload``; outputs in workload order."""
+    return asyncio.run(_run(url.rstrip("/"), name, workload, token_ids, api_key, progress))
+
+
+async def _run(
+    url: str,
+    name: str,
+    workload: Workload,
+    token_ids: Seq[Seq[int]],
+    api_key: str | None,
+    progress: ProgressFactory,
+) -> RunResult:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    n = len(workload.requests)
+    limits = httpx.Limits(max_connections=n + 1, max_keepalive_connections=n + 1)
+    timeout = httpx.Timeout(None, connect=30.0)
+    async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits, timeout=timeout) as http:
+        models = (await http.get("/v1/models")).raise_for_status().json()
+        model = models["data"][0]["id"]
+        warm = BenchRequest("warm-up", 0.0, 4, prompt_token_ids=tuple(token_ids[0][:8]), ignore_eos=True)
+        await _one(http, model, warm, list(token_ids[0][:8]), time.perf_counter())
+        bar = progress(n, name)
+        start = time.perf_counter()
+
+        async def tracked(req: BenchRequest, ids: list[int]) -> RequestOutput:
+            out = await _one(http, model, req, ids, start)
+            bar.update(1)
+            return out
+
+        outputs = await asyncio.gather(
+            *(tracked(r, list(ids)) for r, ids in zip(workload.requests, token_ids, strict=True))
+        )
+        duration = time.perf_counter() - start
+        bar.close()
+    return RunResult(
+        name=name, kind="cbcore", outputs=list(outputs), duration_s=duration, info={"server": url}
+    )
+
+
+def request_body(model: str, req: BenchRequest, ids: list[int]) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": ids,
+        "max_tokens": req.max_new_tokens,
+        "temperature": 0.0,
+        "ignore_eos": req.ignore_eos,
+        "stream": True,
+        "return_token_ids": True,
+        "priority": req.priority,
+        "user": req.client_id,
+    }
+    if req.deadline_s is not None:
+        body["deadline_s"] = req.deadline_s
+    if req.attrs:
+        body["attrs"] = thaw(req.attrs)
+    return body
+
+
+async def _one(http: Any, model: str, req: BenchRequest, ids: list[int], start: float) -> RequestOutput:
+    arrival = start + req.arrival_s
+    await asyncio.sleep(max(0.0, arrival - time.perf_counter()))
+    tokens: list[int] = []
+    times: list[float] = []
+    finish: str | None = None
+    error: str | None = None
+    async with http.stream("POST", "/v1/completions", json=request_body(model, req, ids)) as resp:
+        if resp.status_code != 200:
+            error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:300]}"
+        else:
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    error = chunk["error"].get("message", "error event")
+                    break
+                now = time.perf_counter()
+                for choice in chunk["choices"]:
+                    new = choice.get("token_ids") or []
+                    tokens.extend(new)
+                    times.extend([now] * len(new))
+                    finish = choice.get("finish_reason") or finish
+    end = time.perf_counter()
+    if error is not None:
+        return RequestOutput.rejected(req.request_id, ids, error)
+    metrics = RequestMetrics(
+        arrival_time=arrival,
+        first_scheduled_time=None,  # not visible from outside the server
+        first_token_time=times[0] if times else None,
+        token_times=tuple(times),
+        finish_time=end,
+        num_preemptions=0,
+        prompt_len=len(ids),
+        output_len=len(tokens),
+    )
+    return RequestOutput(
+        request_id=req.request_id,
+        prompt_token_ids=ids,
+        output_token_ids=tokens,
+        new_token_ids=[],
+        finished=True,
+        finish_reason=finish,
+        metrics=metrics,
+    )

@@ -1,0 +1,33 @@
+"""`cb bench --serve` / `--server URL`: the same workload, metrics and reference check, over HTTP."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import SERVE_KEY
+
+from cbcore.cli.main import main
+
+WORKLOAD = "poisson:n=6,rate=20,lengths=fixed,input_len=6,output_len=5,clients=a:1/b:1,seed=0"
+
+
+def test_bench_drives_a_started_and_a_running_server_with_the_same_trace(
+    tiny_server, cb_tiny_model_dir, tmp_path
+):
+    out = tmp_path / "out.json"
+    rc = main(
+        [
+            "bench", "--model", str(cb_tiny_model_dir), "--no-progress", "--threads", "1",
+            "--workload", WORKLOAD, "--policy", "fcfs",
+            "--serve", "--server", tiny_server.url, "--api-key", SERVE_KEY,
+            "--json", str(out),
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["fcfs", f"http:{tiny_server.url}", "fcfs@http"]
+    for row in rows.values():
+        assert row["completed"] == 6 and row["total_output_tokens"] == 30
+        assert row["identical_to_reference"] is True, row["reference_mismatches"]
+        assert row["ttft_p50_s"] > 0 and row["itl_p50_s"] is not None
+    assert rows["fcfs@http"]["server"].startswith("http://127.0.0.1:")
