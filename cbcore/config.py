@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, StrictBool, ValidationError, model_validator
 
 
 class PluginSpec(BaseModel):
@@ -71,6 +71,11 @@ class KVCacheConfig(BaseModel):
     )
     num_host_blocks: int | None = Field(
         None, ge=0, description="Host blocks for swap preemption; None: as many as the device pool."
+    )
+    prefix_caching: StrictBool = Field(
+        True,
+        description="Reuse the KV of full blocks whose prefix another request already computed; "
+        "freed cached blocks stay findable until their space is needed.",
     )
 
 

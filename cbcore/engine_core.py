@@ -92,7 +92,9 @@ def build_scheduler(
     if host_blocks is None:  # swap space defaults to the size of the device pool
         swaps = policies is not None and policies["preemption"].mode == "swap"
         host_blocks = num_blocks if swaps else 0
-    blocks = BlockManager(num_blocks, config.kv_cache.block_size, host_blocks)
+    blocks = BlockManager(
+        num_blocks, config.kv_cache.block_size, host_blocks, prefix_caching=config.kv_cache.prefix_caching
+    )
     if policies is not None:
         return PolicyScheduler(**policies, blocks=blocks, clock=clock), policies
     return registry.create("scheduler", sched.name, sched.params, "scheduler", blocks), None
@@ -143,6 +145,7 @@ class EngineCore:
         deadline_s: float | None = None,
         attrs: Mapping[str, Any] | None = None,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> str:
         """Queue one request and return its id; raises :class:`RequestError` on bad input.
 
@@ -150,6 +153,8 @@ class EngineCore:
         ``attrs`` (JSON values) are what policies read to tell requests apart;
         they are checked strictly (no coercion) and ``attrs`` is stored as a
         read-only copy. Nothing is registered unless every check passes.
+        ``cache_salt`` isolates the request's prefix cache: only requests with
+        the same salt share KV blocks (e.g. one salt per tenant).
         """
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -172,6 +177,8 @@ class EngineCore:
             raise RequestError(f"request {request_id!r}: arrival_time must be a number, got {arrival_time!r}")
         if self.scheduler_has(request_id):
             raise RequestError(f"request id {request_id!r} is already in use")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise RequestError(f"request {request_id!r}: cache_salt must be a string, got {type(cache_salt).__name__}")
         token_ids = self._encode(prompt, request_id)
         self._validate(token_ids, request_id)
         seq = Sequence(
@@ -179,6 +186,7 @@ class EngineCore:
             prompt_token_ids=token_ids,
             params=params,
             arrival_time=self.clock() if arrival_time is None else float(arrival_time),
+            cache_salt=cache_salt,
             **fields,
         )
         self.scheduler.add(seq)
@@ -217,6 +225,9 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration; return a delta for every request that produced a token or ended."""
+        blocks = self.scheduler.blocks
+        queries0 = getattr(blocks, "prefix_cache_queries_tokens", 0)
+        hits0 = getattr(blocks, "prefix_cache_hits_tokens", 0)
         t0 = self.clock()
         out = self.scheduler.schedule()
         t1 = self.clock()
@@ -232,7 +243,6 @@ class EngineCore:
             t3 = self.clock()
             outputs.extend(self._postprocess(out, self.executor.sample(prepared, forwarded)))
         t4 = self.clock()
-        blocks = self.scheduler.blocks
         stats = StepStats(
             step=len(self.step_stats) + 1,
             num_seqs=len(out.scheduled),
@@ -242,6 +252,8 @@ class EngineCore:
             num_preempted=len(out.preempted),
             kv_blocks_used=blocks.num_used_blocks,
             kv_blocks_total=blocks.num_blocks,
+            prefix_cache_queries_tokens=getattr(blocks, "prefix_cache_queries_tokens", 0) - queries0,
+            prefix_cache_hits_tokens=getattr(blocks, "prefix_cache_hits_tokens", 0) - hits0,
             schedule_s=t1 - t0,
             prepare_s=t2 - t1,
             forward_s=t3 - t2,

@@ -24,6 +24,10 @@ class RequestMetrics:
     num_preemptions: int
     prompt_len: int
     output_len: int
+    # Prefix cache, over every admission of the request (a recompute preemption admits it again):
+    # tokens it had to prefill, and how many of them the cache held.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
     @classmethod
     def of(cls, seq: Sequence) -> RequestMetrics:
@@ -36,6 +40,8 @@ class RequestMetrics:
             num_preemptions=seq.num_preemptions,
             prompt_len=seq.num_prompt_tokens,
             output_len=seq.num_output_tokens,
+            prefix_cache_queries=seq.prefix_cache_queries,
+            prefix_cache_hits=seq.prefix_cache_hits,
         )
 
     @property

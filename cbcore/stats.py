@@ -19,6 +19,9 @@ class StepStats:
     prepare_s: float  # swaps and packing the FlatBatch
     forward_s: float  # the model forward (attention included)
     sample_s: float  # sampling, stop checks, bookkeeping, outputs
+    # Prefix cache: tokens of the prompts admitted this step, and how many of them the cache held.
+    prefix_cache_queries_tokens: int = 0
+    prefix_cache_hits_tokens: int = 0
 
     @property
     def total_s(self) -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from cbcore.plugins import hookimpl
 from cbcore.policies.chunked_prefill import ChunkedPrefill
 from cbcore.policies.fcfs import FCFS
+from cbcore.policies.lpm import LongestPrefixMatch
 from cbcore.policies.preemption import Recompute, Swap
 from cbcore.policies.priority import Priority
 from cbcore.policies.routers import BUILTIN_ROUTERS, LeastLoaded, PowerOfTwo, PrefixAffinity, RoundRobin
@@ -12,7 +13,7 @@ from cbcore.policies.static import Static
 from cbcore.policies.token_budget import TokenBudget
 from cbcore.policies.whole_prompt import WholePrompt
 
-BUILTIN_POLICIES = [FCFS, Priority, TokenBudget, Static, WholePrompt, ChunkedPrefill, Recompute, Swap]
+BUILTIN_POLICIES = [FCFS, LongestPrefixMatch, Priority, TokenBudget, Static, WholePrompt, ChunkedPrefill, Recompute, Swap]
 
 
 @hookimpl
@@ -26,6 +27,7 @@ __all__ = [
     "FCFS",
     "ChunkedPrefill",
     "LeastLoaded",
+    "LongestPrefixMatch",
     "PowerOfTwo",
     "PrefixAffinity",
     "Priority",

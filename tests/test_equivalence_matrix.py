@@ -1,5 +1,10 @@
 """The equivalence matrix: every backend usable here x every policy mix x four model families.
 
+Prefix caching is on (the default) throughout; a second set of prompts that
+share stems and earlier turns makes cache hits land mid-chunk, makes recompute
+preemption evict sequences that share blocks (and then find their own KV
+again), and makes swap preemption copy out shared blocks.
+
 float32 greedy must be token-exact against HF ``generate()`` on each prompt alone
 (a genuine near-tie is the only tolerated difference, and the harness reports
 it); float16/bfloat16 runs must agree on the top-5 at the first divergence.
@@ -25,8 +30,15 @@ from conftest import CAPS, CLIENTS, PRIORITIES, PROMPTS
 
 from cbcore import Engine, EngineConfig, SamplingParams
 from cbcore.plugins import get_registry
-from cbcore.testing import assert_equivalent, compare_greedy, compare_topk, reference_generate, tiny_model
-from cbcore.testing.mixes import POLICY_MIXES, available_mixes
+from cbcore.testing import (
+    assert_equivalent,
+    compare_greedy,
+    compare_topk,
+    reference_generate,
+    shared_prefix_prompts,
+    tiny_model,
+)
+from cbcore.testing.mixes import CACHE_AWARE_MIXES, POLICY_MIXES, available_mixes
 
 CPU = torch.device("cpu")
 FAMILIES = ["llama", "gpt2", "qwen2", "mistral"]
@@ -67,6 +79,75 @@ def test_float32_greedy_is_token_exact(models, references, backend, mix, family)
     engine, outputs = run(model, backend, MIXES[mix])
     assert_equivalent(compare_greedy(model, outputs, references[family]))
     check_hard_paths(engine, MIXES[mix])
+
+
+# Prompts that share stems and earlier turns, so prefix-cache hits happen at assorted offsets.
+PREFIX_PROMPTS = shared_prefix_prompts(12, seed=0)
+PREFIX_CAPS = [30, 4, 45, 12, 60, 8, 25, 50, 3, 40, 20, 35]
+PREFIX_MATRIX = [
+    pytest.param(backend, mix, family, id=f"{backend}-{mix}-{family}")
+    for backend in BACKENDS
+    for mix in [*POLICY_MIXES, *CACHE_AWARE_MIXES]
+    for family in FAMILIES
+]
+
+
+@functools.cache
+def prefix_reference(family: str):
+    return reference_generate(tiny_model(family), PREFIX_PROMPTS, PREFIX_CAPS)
+
+
+class CacheProbe:
+    """Watches one engine's scheduler for the prefix-cache paths the matrix must take."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.events = dict.fromkeys(("mid_chunk", "shared_recompute", "shared_swap", "own_prefix"), 0)
+        sched, blocks = engine.scheduler, engine.scheduler.blocks
+        preempt, schedule, record = sched._preempt, sched.schedule, blocks.record_lookup
+
+        def watch_preempt(victim, plan, now):
+            if any(blocks.ref_count(b) > 1 for b in victim.block_table):
+                swaps = sched.preemption.mode == "swap" and blocks.can_swap_out(victim)
+                self.events["shared_swap" if swaps else "shared_recompute"] += 1
+            return preempt(victim, plan, now)
+
+        def watch_schedule():
+            out = schedule()
+            for item in out.scheduled:  # a first chunk that starts at the cached offset and stops short
+                seq = item.seq
+                start = seq.num_computed_tokens
+                if start and start == seq.num_cached_prompt_tokens and start + item.num_tokens < seq.num_tokens:
+                    self.events["mid_chunk"] += 1
+            return out
+
+        def watch_record(seq, hit):
+            if hit and seq.num_preemptions:
+                self.events["own_prefix"] += 1  # a recomputed sequence found (part of) its own KV
+            return record(seq, hit)
+
+        sched._preempt, sched.schedule, blocks.record_lookup = watch_preempt, watch_schedule, watch_record
+
+
+@pytest.mark.parametrize(("backend", "mix", "family"), PREFIX_MATRIX)
+def test_float32_greedy_with_prefix_cache_hits_is_token_exact(models, backend, mix, family):
+    model = models[family]
+    config = EngineConfig.model_validate({**MIXES[mix], "backend": {"name": backend}})
+    assert config.kv_cache.prefix_caching, "prefix caching should be on by default"
+    engine = Engine(model, config=config)
+    probe = CacheProbe(engine)
+    outputs = engine.generate(PREFIX_PROMPTS, [SamplingParams(max_new_tokens=c) for c in PREFIX_CAPS])
+    assert_equivalent(compare_greedy(model, outputs, prefix_reference(family)))
+    blocks, events = engine.scheduler.blocks, probe.events
+    blocks.check([])
+    assert blocks.prefix_cache_hits_tokens > 0
+    scheduler = MIXES[mix]["scheduler"]
+    if scheduler["prefill"]["name"] == "chunked-prefill":
+        assert events["mid_chunk"] > 0, events
+    if scheduler["budget"]["name"] != "static":  # the others preempt sequences that share blocks
+        shared = "shared_swap" if scheduler["preemption"]["name"] == "swap" else "shared_recompute"
+        assert events[shared] > 0, events
+        if shared == "shared_recompute":
+            assert events["own_prefix"] > 0, events
 
 
 def _cpu_runs(dtype: torch.dtype) -> bool:

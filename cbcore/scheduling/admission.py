@@ -31,16 +31,24 @@ class Admission:
                 break
             if seq.status is not SequenceStatus.WAITING or not self.budget.may_admit(seq, state):
                 continue  # the budget's choice, not a lack of room: those behind may still fit
+            # Map the cached prefix first: the prefill policy and the budget then see only the rest.
+            hit = self.blocks.acquire_cached(seq)
             n = self._tokens_for(seq, plan)
             if n <= 0:
+                self._return_cached(seq)
                 break
             if not self._has_slot(plan, max_seqs) and not self._take_slot(seq, n, plan, max_seqs, state.now):
+                self._return_cached(seq)
                 break
             if not self.blocks.can_grow(seq, n) and not self._preempt_for(seq, n, plan, state.now):
-                if self.blocks.num_used_blocks == 0:  # alone in an empty cache and still too big
-                    self._fail(seq, plan, state.now, self._too_big(seq, n))
+                if self.blocks.num_used_blocks == len(seq.block_table):  # alone in the cache and still too big
+                    message = self._too_big(seq, n)
+                    self._return_cached(seq)
+                    self._fail(seq, plan, state.now, message)
                     continue
+                self._return_cached(seq)
                 break
+            self.blocks.record_lookup(seq, hit)
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             if seq.first_scheduled_time is None:
@@ -48,6 +56,12 @@ class Admission:
             self.running.append(seq)
             self.blocks.grow(seq, n)
             plan.add(seq, n)
+
+    def _return_cached(self: PolicyScheduler, seq: Sequence) -> None:
+        """Undo :meth:`BlockManager.acquire_cached` for a sequence that stays waiting."""
+        if seq.block_table:
+            self.blocks.free(seq)
+        seq.num_computed_tokens = 0
 
     # -- memory pressure -----------------------------------------------------
 
@@ -90,5 +104,5 @@ class Admission:
         Nobody is evicted otherwise: a preemption that cannot admit ``seq``
         only destroys work.
         """
-        freeable = self.blocks.num_free_blocks + sum(len(r.block_table) for r in evictable)
+        freeable = self.blocks.num_free_blocks + self.blocks.num_freed_by(evictable)
         return freeable >= self.blocks.blocks_needed(seq, n)

@@ -1,39 +1,74 @@
-"""Paged KV bookkeeping: which fixed-size block belongs to which sequence.
+"""Paged KV bookkeeping: which fixed-size block holds which tokens, and who reads it.
 
 Pure Python and tensor-free, so schedulers and policies can reason about
 memory (and tests can fuzz it) without a model. The tensors themselves live in
-:class:`cbcore.kv_cache.KVCache`; a block id here is a row there.
+:class:`cbcore.execution.kv_cache.KVCache`; a block id here is a row there.
+
+Prefix caching (``prefix_caching=True``): once a block is full and its KV
+computed, it is registered under the hash of its tokens and everything before
+them (:mod:`cbcore.scheduling.prefix_hash`). Blocks carry reference counts, so
+sequences with a common prefix map the same blocks. A freed block that is
+registered keeps its KV and goes to an *evictable* list, least recently used
+first; a later request with the same prefix revives it instead of computing
+it, and allocation takes plain free blocks before it evicts anything. Only
+full blocks are ever shared and a sequence only writes past its computed
+tokens, so no shared block is ever written: sharing needs no copy-on-write.
+
+Swap preemption copies every block of the victim to host memory and drops its
+references; blocks other sequences still read stay on the device untouched
+(copy on swap). Swapping back in takes fresh device blocks.
 """
 
 from __future__ import annotations
 
+from collections import Counter, OrderedDict
+from collections.abc import Iterable
+
+from cbcore.scheduling.prefix_hash import BlockHash, chain_hashes, extend_hashes
 from cbcore.scheduling.sequence import Sequence
 
 
 class BlockManager:
-    """Allocates device blocks to sequences; also tracks the host (swap) pool."""
+    """Allocates device blocks to sequences, shares cached prefixes, tracks the host (swap) pool."""
 
-    def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, num_host_blocks: int = 0, *, prefix_caching: bool = False
+    ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_host_blocks = num_host_blocks
-        # Stacks: the most recently freed block is reused first (warm in cache).
+        self.prefix_caching = prefix_caching
+        # Unregistered free blocks, a stack: the most recently freed is reused first (warm in cache).
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        # Registered blocks nobody references, oldest first: evicted in this order when needed.
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._ref: list[int] = [0] * num_blocks
+        self._hash_of: list[BlockHash | None] = [None] * num_blocks
+        self._by_hash: dict[BlockHash, int] = {}
+        self._registered: dict[Sequence, int] = {}  # leading blocks of a sequence already registered
         self._free_host: list[int] = list(range(num_host_blocks - 1, -1, -1))
-        self._owner: list[str | None] = [None] * num_blocks
         self._host_tables: dict[str, list[int]] = {}
+        # Tokens looked up at admissions and tokens found (what EngineLoad and /metrics report).
+        self.prefix_cache_queries_tokens = 0
+        self.prefix_cache_hits_tokens = 0
 
     # -- queries -------------------------------------------------------------
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks an allocation may take: plain free ones plus evictable cached ones."""
+        return len(self._free) + len(self._evictable)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - len(self._free) - len(self._evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Registered blocks, referenced or evictable."""
+        return len(self._by_hash)
 
     @property
     def num_free_host_blocks(self) -> int:
@@ -42,6 +77,9 @@ class BlockManager:
     @property
     def capacity_tokens(self) -> int:
         return self.num_blocks * self.block_size
+
+    def ref_count(self, block: int) -> int:
+        return self._ref[block]
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -57,7 +95,13 @@ class BlockManager:
         return [s for s in decodes if s.num_computed_tokens >= len(s.block_table) * size]
 
     def can_grow(self, seq: Sequence, num_new_tokens: int) -> bool:
-        return self.blocks_needed(seq, num_new_tokens) <= len(self._free)
+        return self.blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
+
+    def num_freed_by(self, seqs: Iterable[Sequence]) -> int:
+        """Blocks that freeing all of ``seqs`` would return (a block shared with others stays)."""
+        held = Counter(b for s in seqs for b in s.block_table)
+        ref = self._ref
+        return sum(1 for block, n in held.items() if ref[block] == n)
 
     def host_blocks_of(self, seq: Sequence) -> list[int]:
         return self._host_tables.get(seq.request_id, [])
@@ -69,30 +113,133 @@ class BlockManager:
         if not self.try_grow(seq, num_new_tokens):
             needed = self.blocks_needed(seq, num_new_tokens)
             raise MemoryError(
-                f"request {seq.request_id!r} needs {needed} KV blocks, {len(self._free)} are free"
+                f"request {seq.request_id!r} needs {needed} KV blocks, {self.num_free_blocks} are free"
             )
 
     def try_grow(self, seq: Sequence, num_new_tokens: int) -> bool:
         """:meth:`grow` if the blocks are free, else nothing; one check instead of two on the hot path."""
         needed = self.blocks_needed(seq, num_new_tokens)
-        if needed > len(self._free):
+        if needed > len(self._free) + len(self._evictable):
             return False
         for _ in range(needed):
-            block = self._free.pop()
-            self._owner[block] = seq.request_id
+            block = self._allocate()
+            self._ref[block] = 1
             seq.block_table.append(block)
         return True
 
+    def _allocate(self) -> int:
+        if self._free:
+            return self._free.pop()
+        block, _ = self._evictable.popitem(last=False)  # least recently used; its KV is overwritten
+        del self._by_hash[self._hash_of[block]]  # type: ignore[index]
+        self._hash_of[block] = None
+        return block
+
     def free(self, seq: Sequence) -> None:
-        """Return every device block of ``seq`` to the pool."""
-        for block in seq.block_table:
-            if self._owner[block] != seq.request_id:
-                raise RuntimeError(
-                    f"block {block} is owned by {self._owner[block]!r}, not {seq.request_id!r}"
-                )
-            self._owner[block] = None
-            self._free.append(block)
+        """Drop ``seq``'s references; blocks nobody else reads are freed (cached ones stay findable)."""
+        ref = self._ref
+        # Last block first: a prefix's tail becomes least recently used before its head.
+        for block in reversed(seq.block_table):
+            count = ref[block] - 1
+            if count < 0:
+                raise RuntimeError(f"block {block} of request {seq.request_id!r} is not referenced")
+            ref[block] = count
+            if count == 0:
+                if self._hash_of[block] is None:
+                    self._free.append(block)
+                else:
+                    self._evictable[block] = None
         seq.block_table = []
+        self._registered.pop(seq, None)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every evictable cached block (they become plain free blocks); returns how many."""
+        dropped = list(self._evictable)
+        for block in dropped:
+            del self._by_hash[self._hash_of[block]]  # type: ignore[index]
+            self._hash_of[block] = None
+        self._evictable.clear()
+        self._free.extend(reversed(dropped))
+        return len(dropped)
+
+    # -- prefix caching ------------------------------------------------------
+
+    def _hashes(self, seq: Sequence, upto: int) -> list[BlockHash]:
+        extend_hashes(seq.block_hashes, seq.token_ids, self.block_size, seq.cache_salt, upto)
+        return seq.block_hashes
+
+    def lookup(self, seq: Sequence) -> int:
+        """Tokens of ``seq`` the cache holds now, without taking them (also stored on the sequence).
+
+        At most ``seq.num_tokens - 1``: the last token is always computed so that
+        its step has logits to sample from.
+        """
+        if not self.prefix_caching:
+            return 0
+        limit = (seq.num_tokens - 1) // self.block_size
+        by_hash = self._by_hash
+        hits = 0
+        for h in self._hashes(seq, limit)[:limit]:
+            if h not in by_hash:
+                break
+            hits += 1
+        seq.num_cached_prompt_tokens = hits * self.block_size
+        return seq.num_cached_prompt_tokens
+
+    def acquire_cached(self, seq: Sequence) -> int:
+        """Map ``seq``'s cached prefix into its empty block table; returns the tokens skipped.
+
+        ``seq.num_computed_tokens`` moves past them, so the prefill policy and
+        the token budget see only what is left to compute. Undo with :meth:`free`
+        (and reset ``num_computed_tokens``) if the sequence is not admitted.
+        """
+        if seq.block_table or seq.num_computed_tokens:
+            raise RuntimeError(
+                f"request {seq.request_id!r} already holds KV; only a new prefill can hit the cache"
+            )
+        if not self.prefix_caching:
+            return 0
+        limit = (seq.num_tokens - 1) // self.block_size
+        by_hash, ref, table = self._by_hash, self._ref, seq.block_table
+        for h in self._hashes(seq, limit)[:limit]:
+            block = by_hash.get(h)
+            if block is None:
+                break
+            if ref[block] == 0:
+                del self._evictable[block]
+            ref[block] += 1
+            table.append(block)
+        self._registered[seq] = len(table)
+        seq.num_computed_tokens = seq.num_cached_prompt_tokens = len(table) * self.block_size
+        return seq.num_computed_tokens
+
+    def record_lookup(self, seq: Sequence, hit_tokens: int) -> None:
+        """Count an admission's lookup: the tokens it had to prefill and those the cache held."""
+        if self.prefix_caching:
+            self.prefix_cache_queries_tokens += seq.num_tokens
+            self.prefix_cache_hits_tokens += hit_tokens
+            seq.prefix_cache_queries += seq.num_tokens
+            seq.prefix_cache_hits += hit_tokens
+
+    def register_computed(self, seq: Sequence) -> None:
+        """Register ``seq``'s blocks that are full and computed (call once their KV is written).
+
+        A block whose prefix another block already holds stays unregistered:
+        it is freed normally and the first copy remains the one that is found.
+        """
+        if not self.prefix_caching:
+            return
+        full = seq.num_computed_tokens // self.block_size
+        done = self._registered.get(seq, 0)
+        if full <= done:
+            return
+        hashes = self._hashes(seq, full)
+        for i in range(done, full):
+            block, h = seq.block_table[i], hashes[i]
+            if self._hash_of[block] is None and h not in self._by_hash:
+                self._by_hash[h] = block
+                self._hash_of[block] = h
+        self._registered[seq] = full
 
     # -- host (swap) blocks --------------------------------------------------
 
@@ -100,7 +247,7 @@ class BlockManager:
         return len(seq.block_table) <= len(self._free_host)
 
     def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Move ``seq``'s blocks to host blocks; returns (device, host) pairs to copy."""
+        """Copy ``seq``'s blocks to host blocks and drop its references; returns (device, host) pairs."""
         if not self.can_swap_out(seq):
             raise MemoryError(f"no host room to swap out request {seq.request_id!r}")
         pairs = []
@@ -116,18 +263,18 @@ class BlockManager:
     def can_swap_in(self, seq: Sequence, num_new_tokens: int = 0) -> bool:
         host = self._host_tables[seq.request_id]
         total = max(len(host), self.blocks_for_tokens(seq.num_computed_tokens + num_new_tokens))
-        return total <= len(self._free)
+        return total <= self.num_free_blocks
 
     def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Bring ``seq``'s blocks back; returns (host, device) pairs to copy."""
+        """Bring ``seq``'s blocks back into fresh device blocks; returns (host, device) pairs."""
         host_table = self._host_tables.pop(seq.request_id)
-        if len(host_table) > len(self._free):
+        if len(host_table) > self.num_free_blocks:
             self._host_tables[seq.request_id] = host_table
             raise MemoryError(f"no device room to swap in request {seq.request_id!r}")
         pairs = []
         for host in host_table:
-            block = self._free.pop()
-            self._owner[block] = seq.request_id
+            block = self._allocate()
+            self._ref[block] = 1
             seq.block_table.append(block)
             pairs.append((host, block))
             self._free_host.append(host)
@@ -140,26 +287,76 @@ class BlockManager:
     # -- invariants ----------------------------------------------------------
 
     def check(self, live: list[Sequence]) -> None:
-        """Raise if any block is owned twice, leaked, or both free and owned."""
-        seen: dict[int, str] = {}
+        """Raise AssertionError unless the books balance for ``live``, the sequences holding device blocks.
+
+        Reference counts equal the number of tables holding each block; a block
+        is referenced, or plain free, or evictable, never two of these; only
+        registered, full, computed blocks are shared; every registered block in
+        a table holds exactly the tokens its hash names; nothing leaked.
+        """
+        held: Counter[int] = Counter()
         for seq in live:
-            for block in seq.block_table:
-                if block in seen:
-                    raise AssertionError(f"block {block} owned by {seen[block]!r} and {seq.request_id!r}")
-                seen[block] = seq.request_id
-                if self._owner[block] != seq.request_id:
-                    raise AssertionError(
-                        f"block {block} in {seq.request_id!r} but owner is {self._owner[block]!r}"
-                    )
-        free = set(self._free)
+            table = seq.block_table
+            if len(set(table)) != len(table):
+                raise AssertionError(f"request {seq.request_id!r} holds a block twice: {table}")
+            if len(table) * self.block_size < seq.num_computed_tokens:
+                raise AssertionError(
+                    f"request {seq.request_id!r} has {seq.num_computed_tokens} computed tokens in {len(table)} blocks"
+                )
+            held.update(table)
+            self._check_hashes(seq)
+        for block, n in held.items():
+            if self._ref[block] != n:
+                raise AssertionError(
+                    f"block {block} is in {n} block tables but its reference count is {self._ref[block]}"
+                )
+            if n > 1 and self._hash_of[block] is None:
+                raise AssertionError(f"block {block} is shared by {n} sequences but holds no cached prefix")
+        free, evictable = set(self._free), set(self._evictable)
         if len(free) != len(self._free):
             raise AssertionError("a block is on the free list twice")
-        if free & seen.keys():
-            raise AssertionError(f"blocks both free and owned: {sorted(free & seen.keys())}")
-        if len(free) + len(seen) != self.num_blocks:
-            raise AssertionError(f"{self.num_blocks - len(free) - len(seen)} blocks leaked")
+        for name, pool in (("free", free), ("evictable", evictable)):
+            if pool & held.keys():
+                raise AssertionError(f"blocks both {name} and referenced: {sorted(pool & held.keys())}")
+        if free & evictable:
+            raise AssertionError(f"blocks both free and evictable: {sorted(free & evictable)}")
+        if any(self._hash_of[b] is not None for b in free) or any(
+            self._hash_of[b] is None for b in evictable
+        ):
+            raise AssertionError("a free block is registered or an evictable one is not")
+        unreferenced = [b for b in range(self.num_blocks) if self._ref[b] and b not in held]
+        if unreferenced:
+            raise AssertionError(f"blocks {unreferenced} are referenced by no live sequence (leaked)")
+        if len(free) + len(evictable) + len(held) != self.num_blocks:
+            raise AssertionError(f"{self.num_blocks - len(free) - len(evictable) - len(held)} blocks leaked")
+        for h, block in self._by_hash.items():
+            if self._hash_of[block] != h:
+                raise AssertionError(f"hash index names block {block}, which holds another prefix")
+        if sum(h is not None for h in self._hash_of) != len(self._by_hash):
+            raise AssertionError("a block is registered under a hash the index does not know")
         host_used = [h for table in self._host_tables.values() for h in table]
         if len(set(host_used)) != len(host_used) or set(host_used) & set(self._free_host):
             raise AssertionError("host blocks double-owned")
         if len(host_used) + len(self._free_host) != self.num_host_blocks:
             raise AssertionError("host blocks leaked")
+
+    def _check_hashes(self, seq: Sequence) -> None:
+        """A registered block in ``seq``'s table must be full, computed, and hold exactly ``seq``'s tokens."""
+        full = seq.num_computed_tokens // self.block_size
+        truth = chain_hashes(seq.token_ids, self.block_size, seq.cache_salt)
+        if seq.block_hashes != truth[: len(seq.block_hashes)]:
+            raise AssertionError(
+                f"request {seq.request_id!r}: its stored block hashes no longer match its tokens"
+            )
+        for i, block in enumerate(seq.block_table):
+            h = self._hash_of[block]
+            if h is None:
+                continue
+            if i >= full:
+                raise AssertionError(
+                    f"block {block} of request {seq.request_id!r} is registered before its KV is complete"
+                )
+            if h != truth[i]:
+                raise AssertionError(
+                    f"block {block} of request {seq.request_id!r} is registered under another prefix"
+                )

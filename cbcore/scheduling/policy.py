@@ -36,6 +36,9 @@ class SequenceView(Protocol):
     deadline_s: float | None  # seconds after arrival by which it should be done, or None
     attrs: Mapping[str, Any]  # the request's free-form JSON attributes, read-only
     num_computed_tokens: int
+    # Tokens of its pending prefill the prefix cache held when last looked up: at admission, and
+    # every step for a queue whose reads_cached_prefix() says so. Admission skips them.
+    num_cached_prompt_tokens: int
     num_preemptions: int
     block_table: list[int]
     policy_state: dict[str, object]
@@ -127,6 +130,15 @@ class QueuePolicy(Policy):
     #: of calling :meth:`order`: ordering a thousand waiting requests every step
     #: would otherwise cost more than the rest of the step.
     fixed_keys: bool = False
+
+    def reads_cached_prefix(self, num_waiting: int) -> bool:
+        """Whether :meth:`order` reads ``num_cached_prompt_tokens`` with this many waiting.
+
+        When True (and prefix caching is on) the scheduler looks every waiting
+        sequence up in the cache before ordering them; the lookup costs a few
+        dictionary probes per sequence, so a policy may decline on long queues.
+        """
+        return False
 
     def key(self, seq: SequenceView, now: float) -> Any:
         """Sort key; smaller is served first. Override this or :meth:`order`."""

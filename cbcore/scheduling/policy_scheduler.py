@@ -120,7 +120,7 @@ class PolicyScheduler(Admission, Eviction):
             ordered = OrderedOnDemand(lambda: list(self.waiting))
         else:
             # A copy even if a policy returns its argument: admission removes from self.waiting.
-            ordered = OrderedOnDemand(lambda: list(self.queue.order(self.waiting, now)))  # type: ignore[arg-type]
+            ordered = OrderedOnDemand(lambda: self._order_waiting(now))
         return SchedulerState(
             now=now,
             step=self.step_index,
@@ -129,6 +129,12 @@ class PolicyScheduler(Admission, Eviction):
             swapped=tuple(self.swapped),
             kv=self.blocks,
         )
+
+    def _order_waiting(self, now: float) -> list[Sequence]:
+        if self.blocks.prefix_caching and self.queue.reads_cached_prefix(len(self.waiting)):
+            for seq in self.waiting:  # a cache-aware order needs fresh num_cached_prompt_tokens
+                self.blocks.lookup(seq)
+        return list(self.queue.order(self.waiting, now))  # type: ignore[arg-type]
 
     def schedule(self) -> SchedulerOutput:
         now = self.clock()
@@ -155,6 +161,9 @@ class PolicyScheduler(Admission, Eviction):
         return out
 
     def on_step_end(self, output: SchedulerOutput, results: Seq[StepResult]) -> None:
+        if self.blocks.prefix_caching:  # KV written this step becomes findable (finished ones' too)
+            for item in output.scheduled:
+                self.blocks.register_computed(item.seq)
         now = self.clock()
         for policy in self.policies:
             policy.on_step_end(results, now)

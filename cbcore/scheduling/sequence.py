@@ -47,6 +47,8 @@ class Sequence:
     deadline_s: float | None = None  # seconds after arrival by which it should be done
     # Free-form JSON attributes for policies (read-only; validated by Engine.add_request).
     attrs: Mapping[str, Any] = field(default_factory=lambda: EMPTY_ATTRS, repr=False)
+    # Part of every KV block hash: requests with different salts never share cached KV.
+    cache_salt: str | None = None
 
     token_ids: list[int] = field(init=False)
     status: SequenceStatus = SequenceStatus.WAITING
@@ -64,6 +66,14 @@ class Sequence:
 
     generator: torch.Generator | None = field(default=None, repr=False)
     logprobs: list[dict[int, float]] = field(default_factory=list, repr=False)
+    # Prefix caching. ``block_hashes`` names the full blocks of ``token_ids`` (filled lazily by the
+    # block manager; token ids only grow, so a name never changes). ``num_cached_prompt_tokens``: of
+    # the tokens this sequence must prefill (its prompt, plus its output after a recompute), how many
+    # the cache held when last looked up. The two counters add up every admission's lookup.
+    block_hashes: list[bytes] = field(default_factory=list, repr=False)
+    num_cached_prompt_tokens: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
     # Free-form per-sequence state that policies may keep (e.g. an MLFQ level).
     policy_state: dict[str, object] = field(default_factory=dict, repr=False)
 

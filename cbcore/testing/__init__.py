@@ -18,7 +18,7 @@ from cbcore.testing.compare import (
     compare_topk,
 )
 from cbcore.testing.reference import reference_generate
-from cbcore.testing.tiny_models import TINY_FAMILIES, random_prompts, tiny_model
+from cbcore.testing.tiny_models import TINY_FAMILIES, random_prompts, shared_prefix_prompts, tiny_model
 
 __all__ = [
     "NEAR_TIE",
@@ -31,5 +31,6 @@ __all__ = [
     "random_prompts",
     "reference_generate",
     "run_equivalence",
+    "shared_prefix_prompts",
     "tiny_model",
 ]

@@ -53,6 +53,20 @@ POLICY_MIXES: dict[str, dict[str, Any]] = {
     },
 }
 
+# Mixes whose policies read the prefix cache; with prompts that share no prefix they behave
+# like their FCFS counterparts, so the matrix runs them on shared-prefix prompts in every family.
+CACHE_AWARE_MIXES: dict[str, dict[str, Any]] = {
+    "lpm+chunked+recompute": {
+        "scheduler": {
+            "queue": {"name": "lpm"},
+            "budget": {"name": "token-budget", "max_num_seqs": 6, "max_num_batched_tokens": 40},
+            "prefill": {"name": "chunked-prefill", "chunk_size": 12},
+            "preemption": {"name": "recompute", "victim": "queue-order"},
+        },
+        "kv_cache": SMALL_KV,
+    },
+}
+
 # Third-party queue policies (contrib/), mixed in when they are installed.
 CONTRIB_QUEUES: dict[str, dict[str, Any]] = {
     "sjf": {"name": "sjf"},
@@ -62,8 +76,8 @@ CONTRIB_QUEUES: dict[str, dict[str, Any]] = {
 
 
 def available_mixes() -> dict[str, dict[str, Any]]:
-    """The built-in mixes plus one per installed contrib queue policy."""
-    mixes = dict(POLICY_MIXES)
+    """The built-in mixes (cache-aware ones included) plus one per installed contrib queue policy."""
+    mixes = {**POLICY_MIXES, **CACHE_AWARE_MIXES}
     known = set(get_registry().names("queue"))
     base = POLICY_MIXES["fcfs+token-budget+recompute"]
     for name, queue in CONTRIB_QUEUES.items():

@@ -109,3 +109,27 @@ def random_prompts(n: int, min_len: int = 1, max_len: int = 64, seed: int = 0) -
     """``n`` prompts of random length in [min_len, max_len], avoiding the special ids."""
     rng = random.Random(seed)
     return [[rng.randrange(3, VOCAB) for _ in range(rng.randint(min_len, max_len))] for _ in range(n)]
+
+
+def shared_prefix_prompts(
+    n: int, stem_lengths: tuple[int, ...] = (37, 22), max_tail: int = 20, seed: int = 0
+) -> list[list[int]]:
+    """``n`` prompts that reuse a few stems (system prompts, earlier turns) cut at random lengths.
+
+    Prompt ``i`` takes stem ``i % len(stem_lengths)`` up to a random cut (often
+    inside a KV block) and adds a random tail of up to ``max_tail`` tokens; every
+    fourth prompt instead extends an earlier prompt whole, as the next turn of a
+    conversation would. So prefix-cache hits end at assorted offsets.
+    """
+    rng = random.Random(seed)
+    stems = [[rng.randrange(3, VOCAB) for _ in range(length)] for length in stem_lengths]
+    prompts: list[list[int]] = []
+    for i in range(n):
+        if i % 4 == 3:
+            base = list(prompts[rng.randrange(len(prompts))])
+        else:
+            stem = stems[i % len(stems)]
+            base = stem[: rng.randint(len(stem) // 2, len(stem))]
+        prompts.append(base + [rng.randrange(3, VOCAB) for _ in range(rng.randint(1, max_tail))])
+    return prompts
+

@@ -37,7 +37,7 @@ BUDGET = {"max_num_seqs": 512, "max_num_batched_tokens": 2048}
 PARAMS = {"token-budget": BUDGET, "static": BUDGET}
 
 CASES = [(kind, name, "roomy") for kind, name in DEFAULTS.items()]
-CASES += [("queue", "priority", "roomy"), ("budget", "static", "roomy"), ("prefill", "whole-prompt", "roomy")]
+CASES += [("queue", "priority", "roomy"), ("queue", "lpm", "roomy"), ("budget", "static", "roomy"), ("prefill", "whole-prompt", "roomy")]
 CASES += [("preemption", "recompute", "tight"), ("preemption", "swap", "tight")]
 
 
