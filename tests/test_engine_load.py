@@ -18,7 +18,8 @@ def test_load_follows_requests_through_the_engine(models):
     idle = engine.load()
     assert idle == EngineLoad(0, 0, 0, 0, 64, 0)
     assert idle.kv_usage == 0.0
-    for ids in random_prompts(3, 5, 9, seed=1):
+    prompts = random_prompts(3, 5, 9, seed=1)
+    for ids in prompts:
         engine.add_request(ids, SamplingParams(max_new_tokens=4, ignore_eos=True))
     assert engine.load().num_waiting == 3
     engine.step()
@@ -28,7 +29,8 @@ def test_load_follows_requests_through_the_engine(models):
     assert 0 < load.kv_usage <= 1
     while engine.has_unfinished():
         engine.step()
-    assert engine.load() == dataclasses.replace(idle)
+    # Back to idle; the prefix cache looked up every prompt once (no shared prefix: no hits).
+    assert engine.load() == dataclasses.replace(idle, prefix_cache_queries_tokens=sum(map(len, prompts)))
     with pytest.raises(dataclasses.FrozenInstanceError):
         load.num_running = 0  # type: ignore[misc]
 
