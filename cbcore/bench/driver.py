@@ -107,9 +107,16 @@ def submit(
 
 
 def warm_up(engine: Engine, token_ids: Seq[Seq[int]]) -> None:
-    """A short prefill + decode through this engine, so first-call costs are not timed."""
+    """A short prefill + decode through this engine, so first-call costs are not timed.
+
+    The prefix cache is emptied afterwards: the warm-up's prompts are the
+    workload's first tokens, and a run must not find them already cached.
+    """
     prompts = [list(ids[:8]) for ids in token_ids[:2]]
     engine.generate(prompts, SamplingParams(max_new_tokens=4, ignore_eos=True))
+    reset = getattr(engine.scheduler.blocks, "reset_prefix_cache", None)
+    if reset is not None:
+        reset()
 
 
 def run_engine(
