@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from cbcore.bench.driver import Arrivals, ProgressFactory, RunResult, no_progress
+from cbcore.bench.arrivals import Arrivals, prompt_bounds
+from cbcore.bench.driver import ProgressFactory, RunResult, no_progress
 from cbcore.bench.workload import BenchRequest, Workload
 from cbcore.outputs import RequestMetrics, RequestOutput
 
@@ -137,19 +138,20 @@ def run_hf_static(
         warm, attention_mask=torch.ones_like(warm), max_new_tokens=4, do_sample=False, pad_token_id=pad
     )
     start = clock()
-    arrivals = Arrivals(requests, start)
+    arrivals = Arrivals(requests, start, token_ids)
     while len(outputs) < len(requests):
         queue.extend(arrivals.due(clock()))
         if not queue:
             idle += arrivals.wait(clock, sleep)
             continue
         wave, queue = queue[:batch_size], queue[batch_size:]
-        width = max(len(token_ids[i]) for i in wave)
+        prompts = {i: arrivals.prompt(i) for i in wave}
+        width = max(len(prompts[i]) for i in wave)
         ids = torch.full((len(wave), width), pad, dtype=torch.long)
         mask = torch.zeros((len(wave), width), dtype=torch.long)
         for row, i in enumerate(wave):
-            n = len(token_ids[i])
-            ids[row, width - n :] = torch.tensor(list(token_ids[i]))
+            n = len(prompts[i])
+            ids[row, width - n :] = torch.tensor(prompts[i])
             mask[row, width - n :] = 1
         respect_eos = not any(requests[i].ignore_eos for i in wave)
         config = GenerationConfig(
@@ -168,8 +170,9 @@ def run_hf_static(
         for row, i in enumerate(wave):
             req = requests[i]
             tokens, reason = cut(seqs[row, width:].tolist(), req, eos)
-            arrival = start + req.arrival_s
-            outputs[i] = baseline_output(req, token_ids[i], tokens, reason, arrival, began, steps.times)
+            arrival = arrivals.arrival_time(i)
+            outputs[i] = baseline_output(req, prompts[i], tokens, reason, arrival, began, steps.times)
+            arrivals.finished(i, outputs[i], clock())
             bar.update(1)
     duration = clock() - start
     bar.close()
@@ -196,7 +199,6 @@ def run_hf_generate_batch(
     sleep: Callable[[float], None] = time.sleep,
 ) -> RunResult:
     from transformers import ContinuousBatchingConfig, GenerationConfig
-    from transformers.generation.continuous_batching.requests import RequestStatus
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
     requests = workload.requests
@@ -207,8 +209,9 @@ def run_hf_generate_batch(
         eos_token_id=eos or -1,
         pad_token_id=_pad_id(model, eos),
     )
+    bounds = prompt_bounds(requests, token_ids)
     hints = WorkloadHints(
-        max_prompt_length=max(len(t) for t in token_ids),
+        max_prompt_length=max(bounds),
         max_generated_length=config.max_new_tokens,
         num_requests=len(requests),
     )
@@ -216,12 +219,12 @@ def run_hf_generate_batch(
     # tokens per step); left to itself it sizes its static tensors from the machine's memory,
     # which takes minutes to initialise on a CPU.
     page = ContinuousBatchingConfig.page_size
-    pages = sum(-(-(len(t) + r.max_new_tokens) // page) for t, r in zip(token_ids, requests, strict=True))
+    pages = sum(-(-(n + r.max_new_tokens) // page) for n, r in zip(bounds, requests, strict=True))
     cb_config = ContinuousBatchingConfig(
         max_requests_per_batch=batch_size, max_batch_tokens=batch_tokens, num_blocks=pages + batch_size
     )
     index = {r.request_id: i for i, r in enumerate(requests)}
-    results: dict[int, Any] = {}
+    outputs: dict[int, RequestOutput] = {}
     bar = progress(len(requests), "hf-generate-batch")
     with model.continuous_batching_context_manager(
         generation_config=config, continuous_batching_config=cb_config, workload_hints=hints, block=True
@@ -231,42 +234,46 @@ def run_hf_generate_batch(
             if not manager.is_running():
                 raise RuntimeError("transformers' continuous batching loop stopped during warm-up")
         start = clock()
-        arrivals = Arrivals(requests, start)
-        while len(results) < len(requests):
+        arrivals = Arrivals(requests, start, token_ids)
+        while len(outputs) < len(requests):
             for i in arrivals.due(clock()):
                 req = requests[i]
                 manager.add_request(
-                    list(token_ids[i]),
+                    arrivals.prompt(i),
                     request_id=req.request_id,
                     max_new_tokens=req.max_new_tokens,
                     record_timestamps=True,
                     eos_token_id=-1 if req.ignore_eos else None,
                 )
-            timeout = max(0.0, arrivals.next_time() - clock()) if not arrivals.exhausted else 1.0
+            at = arrivals.next_time()
+            timeout = max(0.0, at - clock()) if at is not None else 1.0
             result = manager.get_result(timeout=timeout)
             if result is not None and result.is_finished():
-                results[index[result.request_id]] = result
+                i = index[result.request_id]
+                prompt, arrival = arrivals.prompt(i), arrivals.arrival_time(i)
+                outputs[i] = _generate_batch_output(result, requests[i], prompt, arrival, eos)
+                arrivals.finished(i, outputs[i], clock())
                 bar.update(1)
             elif result is None and not manager.is_running():
                 raise RuntimeError("transformers' continuous batching loop stopped unexpectedly")
         duration = clock() - start
     bar.close()
-    outputs = []
-    for i, req in enumerate(requests):
-        res = results[i]
-        if res.status == RequestStatus.FAILED or res.error is not None:
-            outputs.append(RequestOutput.rejected(req.request_id, list(token_ids[i]), str(res.error)))
-            continue
-        tokens, reason = cut(res.generated_tokens, req, eos)
-        started = res.lifespan[0] if res.lifespan[0] > 0 else None
-        times = res.timestamps or []
-        outputs.append(
-            baseline_output(req, token_ids[i], tokens, reason, start + req.arrival_s, started, times)
-        )
     return RunResult(
         name="hf-generate-batch",
         kind="baseline",
-        outputs=outputs,
+        outputs=[outputs[i] for i in range(len(requests))],
         duration_s=duration,
         info={"batch_size": batch_size, "max_batch_tokens": batch_tokens},
     )
+
+
+def _generate_batch_output(
+    result: Any, req: BenchRequest, prompt: list[int], arrival: float, eos: Seq[int]
+) -> RequestOutput:
+    from transformers.generation.continuous_batching.requests import RequestStatus
+
+    if result.status == RequestStatus.FAILED or result.error is not None:
+        return RequestOutput.rejected(req.request_id, prompt, str(result.error))
+    tokens, reason = cut(result.generated_tokens, req, eos)
+    started = result.lifespan[0] if result.lifespan[0] > 0 else None
+    return baseline_output(req, prompt, tokens, reason, arrival, started, result.timestamps or [])

@@ -10,11 +10,12 @@ client of a real server.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from cbcore.bench.arrivals import Arrivals
 from cbcore.bench.workload import BenchRequest, Workload
 from cbcore.engine import Engine
 from cbcore.engine_core import EngineCore, RequestError
@@ -51,35 +52,6 @@ class RunResult:
     busy_s: float | None = None  # duration minus the time spent waiting for arrivals
     steps: list[StepStats] = field(default_factory=list)
     info: dict[str, Any] = field(default_factory=dict)
-
-
-class Arrivals:
-    """Releases workload indices once their arrival offset has passed."""
-
-    def __init__(self, requests: Seq[BenchRequest], start: float) -> None:
-        self.start = start
-        self._order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)
-        self._offsets = [requests[i].arrival_s for i in self._order]
-        self._next = 0
-
-    def due(self, now: float) -> Iterator[int]:
-        while self._next < len(self._order) and self.start + self._offsets[self._next] <= now:
-            self._next += 1
-            yield self._order[self._next - 1]
-
-    @property
-    def exhausted(self) -> bool:
-        return self._next >= len(self._order)
-
-    def next_time(self) -> float:
-        return self.start + self._offsets[self._next]
-
-    def wait(self, clock: Callable[[], float], sleep: Callable[[float], None]) -> float:
-        """Sleep until the next arrival; returns the time slept."""
-        delay = self.next_time() - clock()
-        if delay > 0:
-            sleep(delay)
-        return max(delay, 0.0)
 
 
 def sampling_params(req: BenchRequest) -> SamplingParams:
@@ -139,18 +111,22 @@ def run_engine(
     bar = progress(len(requests), name)
     idle = 0.0
     start = clock()
-    arrivals = Arrivals(requests, start)
+    arrivals = Arrivals(requests, start, token_ids)
+
+    def finish(i: int, out: RequestOutput) -> None:
+        done[i] = out
+        arrivals.finished(i, out, clock())
+        bar.update(1)
+
     while len(done) < len(requests):
         for i in arrivals.due(clock()):
-            refused = submit(engine, requests[i], token_ids[i], start + requests[i].arrival_s)
+            refused = submit(engine, requests[i], arrivals.prompt(i), arrivals.arrival_time(i))
             if refused is not None:
-                done[i] = refused
-                bar.update(1)
+                finish(i, refused)
         if engine.has_unfinished():
             for out in engine.step():
                 if out.finished:
-                    done[index[out.request_id]] = out
-                    bar.update(1)
+                    finish(index[out.request_id], out)
         elif not arrivals.exhausted:
             idle += arrivals.wait(clock, sleep)
     duration = clock() - start

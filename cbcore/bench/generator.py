@@ -9,6 +9,16 @@ Prompts are token ids drawn uniformly from the model's vocabulary (special
 tokens excluded); what is measured is the serving of those lengths, not what
 the text says. ``ignore_eos`` defaults to true so each request produces the
 output length it was drawn with.
+
+Two keys make prompts repeat themselves, as chat and agent traffic does:
+
+* ``system_len=512`` starts every prompt with a system prompt of that many
+  tokens (``system_prompts=K`` distinct ones, client ``i`` of ``clients``
+  using prompt ``i mod K``); the drawn input length is the user part after it.
+* ``turns=T`` makes each of the ``n`` arrivals a conversation of ``T`` turns,
+  closed-loop: turn ``k+1`` is sent ``think_s`` seconds after turn ``k``'s
+  answer is complete, and its prompt is turn ``k``'s prompt, that answer and a
+  new user message of the drawn input length (see ``BenchRequest.follows``).
 """
 
 from __future__ import annotations
@@ -50,6 +60,10 @@ class GeneratorSpec(BaseModel):
     priorities: dict[int, float] = Field(default_factory=lambda: {0: 1.0})
     ignore_eos: bool = True
     seed: int = 0
+    system_len: int = Field(0, ge=0, description="Tokens of a system prompt every prompt starts with.")
+    system_prompts: int = Field(1, ge=1, description="Distinct system prompts; client i uses i mod this.")
+    turns: int = Field(1, ge=1, description="Turns per conversation (closed-loop after the first).")
+    think_s: float = Field(0.0, ge=0, allow_inf_nan=False, description="Pause after an answer before the next turn.")
 
     @field_validator("clients", "priorities")
     @classmethod
@@ -136,28 +150,44 @@ def generate(spec_text: str, vocab_size: int, special_ids: Seq[int] = ()) -> Wor
     rng_len = random.Random(f"{spec.seed}-lengths")
     rng_tok = random.Random(f"{spec.seed}-tokens")
     rng_who = random.Random(f"{spec.seed}-clients")
+    rng_sys = random.Random(f"{spec.seed}-system")
+
+    def draw_tokens(n: int, rng: random.Random) -> list[int]:
+        ids: list[int] = []
+        while len(ids) < n:
+            tok = rng.randrange(vocab_size)
+            if tok not in special:
+                ids.append(tok)
+        return ids
+
     times = arrival_times(spec.n, spec.rate, spec.burstiness, rng_arrival)
     in_mean, out_mean = spec.means
     clients, client_w = list(spec.clients), list(spec.clients.values())
     prios, prio_w = list(spec.priorities), list(spec.priorities.values())
+    systems = [draw_tokens(spec.system_len, rng_sys) for _ in range(spec.system_prompts)]
     requests = []
     for i, t in enumerate(times):
-        n_in = draw_length(spec, in_mean, spec.max_input, rng_len)
-        n_out = draw_length(spec, out_mean, spec.max_output, rng_len)
-        ids = []
-        while len(ids) < n_in:
-            tok = rng_tok.randrange(vocab_size)
-            if tok not in special:
-                ids.append(tok)
-        requests.append(
-            BenchRequest(
-                request_id=f"r{i}",
-                arrival_s=t,
-                max_new_tokens=n_out,
-                prompt_token_ids=tuple(ids),
-                client_id=rng_who.choices(clients, client_w)[0],
-                priority=rng_who.choices(prios, prio_w)[0],
-                ignore_eos=spec.ignore_eos,
+        client = rng_who.choices(clients, client_w)[0]
+        priority = rng_who.choices(prios, prio_w)[0]
+        previous = None
+        for turn in range(spec.turns):
+            n_in = draw_length(spec, in_mean, spec.max_input, rng_len)
+            n_out = draw_length(spec, out_mean, spec.max_output, rng_len)
+            ids = draw_tokens(n_in, rng_tok)
+            if turn == 0 and spec.system_len:
+                ids = systems[clients.index(client) % spec.system_prompts] + ids
+            request_id = f"r{i}" if turn == 0 else f"r{i}.{turn}"
+            requests.append(
+                BenchRequest(
+                    request_id=request_id,
+                    arrival_s=t if turn == 0 else spec.think_s,
+                    max_new_tokens=n_out,
+                    prompt_token_ids=tuple(ids),
+                    client_id=client,
+                    priority=priority,
+                    ignore_eos=spec.ignore_eos,
+                    follows=previous,
+                )
             )
-        )
+            previous = request_id
     return Workload(spec_text, tuple(requests))

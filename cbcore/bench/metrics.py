@@ -219,6 +219,15 @@ def summarize(
         good = sum(slo.met(o.metrics) for o in done)
         row.update(goodput=good / duration_s, slo_attainment=good / len(outputs), slo_ms=slo.as_ms())
     row["preemptions"] = sum(o.metrics.num_preemptions for o in done)
+    # Prefix cache, in tokens: what admissions looked up and found (None where nothing was looked up,
+    # e.g. with caching off or for a baseline).
+    queries = sum(o.metrics.prefix_cache_queries for o in done)
+    hits = sum(o.metrics.prefix_cache_hits for o in done)
+    row.update(
+        prefix_cache_queries_tokens=queries,
+        prefix_cache_hits_tokens=hits,
+        prefix_cache_hit_rate=hits / queries if queries else None,
+    )
     clients = client_service(requests, outputs)
     row.update(fairness_spread=fairness_spread(clients), clients=clients)
     row.update(step_summary(steps, busy_s))

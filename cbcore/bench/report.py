@@ -25,6 +25,7 @@ COLUMNS: tuple[tuple[str, str, float, str], ...] = (
     ("goodput", "goodput", 1, "{:.3f}"),
     ("preempt", "preemptions", 1, "{:d}"),
     ("KV max", "kv_util_max", 100, "{:.1f}%"),
+    ("prefix hit", "prefix_cache_hit_rate", 100, "{:.1f}%"),
     ("overhead", "engine_overhead_share", 100, "{:.1f}%"),
     ("fair", "fairness_spread", 1, "{:.2f}"),
     ("=ref", "identical_to_reference", 1, "{}"),

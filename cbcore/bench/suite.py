@@ -22,7 +22,7 @@ from cbcore.bench.baselines import BASELINES, run_hf_generate_batch, run_hf_stat
 from cbcore.bench.driver import ProgressFactory, RunResult, no_progress, run_engine, warm_up
 from cbcore.bench.http_driver import run_http
 from cbcore.bench.metrics import SLO, latency_samples, summarize
-from cbcore.bench.workload import Workload
+from cbcore.bench.workload import BenchRequest, Workload
 from cbcore.config import EngineConfig
 from cbcore.engine import Engine
 from cbcore.log import get_logger
@@ -62,6 +62,29 @@ def reference_outputs(
         bar.update(1)
     bar.close()
     return refs
+
+
+class References:
+    """HF ``generate`` on each prompt alone, computed once per distinct prompt and cap.
+
+    For an open-loop workload every row sends the same prompts. In a closed
+    loop a follow-up turn's prompt holds the previous answer, so it is read from
+    each run's outputs: when every turn is exact, every row asks the same.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self._cache: dict[tuple[tuple[int, ...], int, bool], ReferenceOutput] = {}
+
+    def get(self, prompt: Seq[int], req: BenchRequest) -> ReferenceOutput:
+        key = (tuple(prompt), req.max_new_tokens, req.ignore_eos)
+        if key not in self._cache:
+            (ref,) = reference_generate(self.model, [list(prompt)], [req.max_new_tokens], ignore_eos=req.ignore_eos)
+            self._cache[key] = ref
+        return self._cache[key]
+
+    def for_run(self, workload: Workload, outputs: Seq[RequestOutput]) -> list[ReferenceOutput]:
+        return [self.get(o.prompt_token_ids, r) for r, o in zip(workload.requests, outputs, strict=True)]
 
 
 def reference_check(
@@ -109,8 +132,10 @@ def run_suite(
     if repeat < 1:
         raise ValueError(f"repeat must be >= 1, got {repeat}")
     token_ids = prompt_token_ids(workload, tokenizer)
-    refs = None
-    if reference:
+    refs: Seq[ReferenceOutput] | References | None = None
+    if reference and workload.is_closed_loop:
+        refs = References(model)  # prompts are known only once the previous turns have run
+    elif reference:
         log.info("computing the per-prompt reference", requests=len(workload))
         refs = reference_outputs(model, workload, token_ids, progress)
     _warm_model(model, token_ids)
@@ -171,7 +196,7 @@ def summarize_runs(
     model: torch.nn.Module,
     workload: Workload,
     tries: Seq[RunResult],
-    refs: Seq[ReferenceOutput] | None,
+    refs: Seq[ReferenceOutput] | References | None,
     slo: SLO | None,
 ) -> dict[str, Any]:
     run = _median_run(tries)
@@ -184,7 +209,10 @@ def summarize_runs(
         row["duration_s_all"] = [t.duration_s for t in tries]
     row["identical_to_reference"] = None
     if refs is not None:
-        checks = [reference_check(model, t.outputs, refs) for t in tries]
+        checks = [
+            reference_check(model, t.outputs, refs.for_run(workload, t.outputs) if isinstance(refs, References) else refs)
+            for t in tries
+        ]
         worst = min(checks, key=lambda c: (c["identical_to_reference"], -c["reference_diverged"]))
         row.update(worst)
     return row

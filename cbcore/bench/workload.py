@@ -8,6 +8,12 @@ of a run). It comes from one of three places:
   that a run can be replayed exactly;
 * a generator spec such as ``poisson:n=64,rate=2,lengths=sharegpt,seed=0``
   (:mod:`cbcore.bench.generator`).
+
+A request may instead *follow* an earlier one (the next turn of a
+conversation): it is sent ``arrival_s`` seconds after the request it follows
+has finished, and its prompt is that request's prompt, its output, and then
+its own prompt tokens. Such a workload is closed-loop: when a turn arrives
+depends on how fast the previous one was served.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ class TraceRecord(BaseModel):
     deadline_s: float | None = Field(None, gt=0, allow_inf_nan=False, description="Seconds after arrival.")
     attrs: dict[str, Any] = Field(default_factory=dict, description="JSON attributes policies may read.")
     ignore_eos: bool = False
+    follows: str | None = Field(None, min_length=1, description="Request whose answer this one continues.")
 
     @field_validator("attrs")
     @classmethod
@@ -82,6 +89,8 @@ class BenchRequest:
     ignore_eos: bool = False
     deadline_s: float | None = None  # seconds after arrival
     attrs: Mapping[str, Any] = field(default_factory=lambda: EMPTY_ATTRS)  # JSON attributes, read-only
+    # The request this one continues: sent arrival_s after it finished, its prompt and output before ours.
+    follows: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "attrs", freeze_attrs(self.attrs))
@@ -108,6 +117,8 @@ class BenchRequest:
         )
         if self.deadline_s is not None:
             data["deadline_s"] = self.deadline_s
+        if self.follows is not None:
+            data["follows"] = self.follows
         if self.attrs:
             data["attrs"] = thaw(self.attrs)
         return data
@@ -125,6 +136,19 @@ class Workload:
         if len(set(ids)) != len(ids):
             dup = next(i for i in ids if ids.count(i) > 1)
             raise WorkloadError(f"workload {self.name!r}: request id {dup!r} appears twice")
+        seen: set[str] = set()
+        for r in self.requests:
+            if r.follows is not None and r.follows not in seen:
+                raise WorkloadError(
+                    f"workload {self.name!r}: request {r.request_id!r} follows {r.follows!r}, "
+                    "which is not an earlier request of the workload"
+                )
+            seen.add(r.request_id)
+
+    @property
+    def is_closed_loop(self) -> bool:
+        """Some request is sent only after another one finished."""
+        return any(r.follows is not None for r in self.requests)
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -135,8 +159,8 @@ class Workload:
 
     @property
     def span_s(self) -> float:
-        """Time between the first and the last arrival."""
-        times = [r.arrival_s for r in self.requests]
+        """Time between the first and the last arrival (of requests that follow none)."""
+        times = [r.arrival_s for r in self.requests if r.follows is None]
         return max(times) - min(times)
 
     def describe(self) -> dict[str, Any]:
@@ -147,6 +171,7 @@ class Workload:
             "arrival_span_s": self.span_s,
             "max_new_tokens_total": sum(r.max_new_tokens for r in self.requests),
             "clients": self.clients,
+            "follow_ups": sum(r.follows is not None for r in self.requests),
         }
 
     def save(self, path: str | Path) -> None:
@@ -191,6 +216,7 @@ def parse_trace(lines: Seq[str], source: str = "trace") -> list[BenchRequest]:
                 ignore_eos=rec.ignore_eos,
                 deadline_s=rec.deadline_s,
                 attrs=rec.attrs,
+                follows=rec.follows,
             )
         )
     if not requests:

@@ -29,7 +29,9 @@ workloads:
   poisson:n=64,rate=2,lengths=sharegpt,seed=0
       keys: n, rate (req/s, inf = all at t=0), burstiness (1 = Poisson), lengths (fixed, uniform,
       sharegpt), input_len, output_len (means), range_ratio, sigma, max_input, max_output,
-      clients (a:3/b:1), priorities (0:1/1:3), ignore_eos, seed
+      clients (a:3/b:1), priorities (0:1/1:3), ignore_eos, seed,
+      system_len (tokens of a shared system prompt), system_prompts (distinct ones, by client),
+      turns (per conversation: turn k+1 = turn k + its answer + new text, sent think_s after the answer)
 
 example:
   cb bench --workload seed --policy fcfs --policy priority+chunked --backend eager --backend sdpa \\

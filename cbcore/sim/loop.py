@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from cbcore.bench.driver import ProgressFactory, RunResult, no_progress, submit
-from cbcore.bench.workload import BenchRequest, Workload
+from cbcore.bench.workload import BenchRequest, Workload, WorkloadError
 from cbcore.engine_core import EngineCore
 from cbcore.outputs import RequestOutput
 from cbcore.sim.executor import VirtualClock
@@ -63,6 +63,11 @@ def simulate_run(
         raise ValueError("simulate_run needs at least one replica")
     if any(r.busy for r in replicas):
         raise RuntimeError("simulate_run needs idle replicas")
+    if workload.is_closed_loop:
+        raise WorkloadError(
+            f"workload {workload.name!r} is closed-loop (requests follow others' answers); "
+            "the simulator replays open-loop workloads only"
+        )
     placement = placement if placement is not None else OneReplica()
     requests = workload.requests
     order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)
