@@ -57,8 +57,19 @@ async def _run(
         bar = progress(n, name)
         start = time.perf_counter()
 
+        answers: dict[str, asyncio.Future[RequestOutput]] = {
+            r.request_id: asyncio.get_running_loop().create_future() for r in workload.requests
+        }
+
         async def tracked(req: BenchRequest, ids: list[int]) -> RequestOutput:
-            out = await _one(http, model, req, ids, start)
+            t0 = start
+            if req.follows is not None:  # a closed-loop turn: sent arrival_s after the answer it continues
+                before = await answers[req.follows]
+                done_at = before.metrics.finish_time if before.metrics else None
+                t0 = done_at if done_at is not None else time.perf_counter()
+                ids = list(before.prompt_token_ids) + list(before.output_token_ids) + ids
+            out = await _one(http, model, req, ids, t0)
+            answers[req.request_id].set_result(out)
             bar.update(1)
             return out
 
