@@ -47,13 +47,18 @@ def build_app(
     engine: Engine, tokenizer: Any, model_name: str, settings: ServeConfig, api_key: str | None = None
 ) -> FastAPI:
     """The app; the engine thread starts with it and stops (aborting what is left) when it stops."""
-    from cbcore.serve.routes import api
-
     metrics = ServerMetrics(model_name, policy_label(engine.config))
     engine.step_listeners.append(metrics.on_step)
     loop = EngineLoop(engine, observers=[metrics.observe], abort_listeners=[metrics.finished])
     metrics.on_load(loop.load)
-    state = ServerState(loop, tokenizer, model_name, Limits.of(engine), settings, metrics, api_key)
+    return make_app(ServerState(loop, tokenizer, model_name, Limits.of(engine), settings, metrics, api_key))
+
+
+def make_app(state: ServerState) -> FastAPI:
+    """The routes around any engine loop: this process's own, or replicas elsewhere (cbcore.scale)."""
+    from cbcore.serve.routes import api
+
+    loop, settings, metrics = state.loop, state.settings, state.metrics
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
