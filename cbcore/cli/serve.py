@@ -13,6 +13,7 @@ import sys
 
 from cbcore.cli.main import CLIError
 from cbcore.cli.options_util import add_engine_flags, build_config, load_model
+from cbcore.scale.cli import add_flags as scale_flags
 
 API_KEY_ENV = "CBCORE_API_KEY"
 EPILOG = """\
@@ -59,8 +60,9 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     parser.add_argument(
         "--protect-metrics", action="store_true", help="require the API key on /health and /metrics too"
     )
-    parser.add_argument("--threads", type=int, metavar="N", help="torch CPU threads")
+    parser.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (per replica with --replicas)")
     add_engine_flags(parser)
+    scale_flags(parser)
     parser.set_defaults(func=run)
 
 
@@ -88,12 +90,21 @@ def run(args: argparse.Namespace) -> int:
     if args.threads is not None:
         if args.threads < 1:
             raise CLIError(f"--threads must be >= 1, got {args.threads}")
+
+    from cbcore.models.default_model import MODEL_NAME
+    from cbcore.scale import cli as scale
+
+    name = args.served_model_name or config.model.path or MODEL_NAME
+    if scale.wants_replicas(args):
+        from cbcore.serve.server import READY
+
+        return scale.run(args, config, name, api_key, READY)
+    if args.threads is not None:
         import torch
 
         torch.set_num_threads(args.threads)
 
     from cbcore.engine import Engine
-    from cbcore.models.default_model import MODEL_NAME
     from cbcore.serve.app import build_app
     from cbcore.serve.metrics import policy_label
     from cbcore.serve.server import serve
@@ -102,7 +113,6 @@ def run(args: argparse.Namespace) -> int:
     if tokenizer is None:
         raise CLIError("cb serve needs a model with a tokenizer")
     engine = Engine(model, None, config)  # token ids in, token ids out: the server decodes
-    name = args.served_model_name or config.model.path or MODEL_NAME
     app = build_app(engine, tokenizer, name, config.serve, api_key)
     banner = f"(model {name}, policy {policy_label(config)}, backend {config.backend.name})"
     if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
