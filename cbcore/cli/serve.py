@@ -87,9 +87,8 @@ def run(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     if config.serve.protect_metrics and api_key is None:
         raise CLIError("--protect-metrics needs an API key (--api-key or $CBCORE_API_KEY)")
-    if args.threads is not None:
-        if args.threads < 1:
-            raise CLIError(f"--threads must be >= 1, got {args.threads}")
+    if args.threads is not None and args.threads < 1:
+        raise CLIError(f"--threads must be >= 1, got {args.threads}")
 
     from cbcore.models.default_model import MODEL_NAME
     from cbcore.scale import cli as scale

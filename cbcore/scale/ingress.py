@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
@@ -49,11 +50,13 @@ class RemoteLoop:
         max_attempts: int = 3,
         route_timeout_s: float = 60.0,
         observers: list[Observer] | None = None,
+        abort_listeners: list[Callable[[str], None]] | None = None,
     ) -> None:
         self.replicas = replicas.options(stream=True, method_name="generate")
         self.max_attempts = max_attempts
         self.route_timeout_s = route_timeout_s
         self.observers = observers or []
+        self.abort_listeners = abort_listeners or []  # called with the reason of each abort that took effect
         self.draining = False
         self.loads: dict[str, EngineLoad] = {}  # the last load each replica sent
         self.served_by: dict[str, str] = {}  # request id -> replica, while in flight
@@ -84,10 +87,12 @@ class RemoteLoop:
         task.add_done_callback(lambda _: self._forget(sub.request_id))
         return handle
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, reason: str = "abort") -> None:
         task = self._tasks.get(request_id)
-        if task is not None:
+        if task is not None and not task.done():
             task.cancel()  # cancels the replica call, which aborts the request in its engine
+            for listener in self.abort_listeners:
+                listener(reason)
 
     def begin_drain(self, grace_s: float) -> None:
         self.draining = True
@@ -198,7 +203,11 @@ class Ingress:
         tokenizer = await replicas.get_tokenizer.remote()
         metrics = ServerMetrics(model_name, policy_label(cfg))
         self.loop = RemoteLoop(
-            replicas, max_attempts=max_attempts, route_timeout_s=route_timeout_s, observers=[metrics.observe]
+            replicas,
+            max_attempts=max_attempts,
+            route_timeout_s=route_timeout_s,
+            observers=[metrics.observe],
+            abort_listeners=[metrics.finished],
         )
         self.state = ServerState(self.loop, tokenizer, model_name, limits, cfg.serve, metrics, api_key)  # type: ignore[arg-type]
 
