@@ -49,7 +49,15 @@ def deploy(model_dir: Path, port: int, router: object, overrides: tuple[str, ...
     opts = ScaleOptions(**{**OPTIONS.__dict__, **options})
     url = start(cfg, opts, MODEL, host=HOST, port=port)
     assert url == f"http://{HOST}:{port}"
-    return url
+    # serve.run returns once the replicas run; the ingress's router hears of them a moment later.
+    c, seen, deadline = client(url), set(), time.monotonic() + 90
+    for i in itertools.count():
+        assert time.monotonic() < deadline, f"after 90 s the ingress still routes only to {seen}"
+        complete(c, [(7 * i + k) % 200 + 3 for k in range(8)], 1, stream=False)
+        seen.add(placements()[-1][1])
+        if len(seen) == opts.replicas:
+            return url
+    raise AssertionError("unreachable")
 
 
 def placements() -> list[tuple[str, str]]:
@@ -181,3 +189,22 @@ def test_killing_a_replica_mid_load_fails_only_its_streams_and_the_app_recovers(
     assert Counter(r for _, r in placements()[-4:]).keys() == {n.rsplit("#", 1)[1] for n in replica_actor_names()}
     with urllib.request.urlopen(f"{url}/health", timeout=10) as health:
         assert health.status == 200
+
+
+def test_cb_serve_replicas_joins_a_running_ray_and_exits_cleanly(
+    port: int, cb_tiny_model_dir: Path, reference: Engine
+) -> None:
+    from cbcore.serve.launch import ServerProcess
+
+    args = [
+        "--model", str(cb_tiny_model_dir), "--replicas", "1", "--cpus-per-replica", "0.5", "--threads", "1",
+        "--ray-address", ray.get_runtime_context().gcs_address, "--set", "kv_cache.num_blocks=512",
+        "--set", "kv_cache.block_size=4", "--served-model-name", MODEL,
+    ]  # fmt: skip
+    with ServerProcess(args, env={"OMP_NUM_THREADS": "1"}) as server:
+        # Serve already runs on this cluster: the proxy keeps its port, and the ready line says so.
+        assert server.url == f"http://{HOST}:{port}"
+        prompts = random_prompts(2, min_len=3, max_len=12, seed=11)
+        assert [complete(client(server.url), p, 6, stream=True) for p in prompts] == expected(reference, prompts, 6)
+        assert server.stop() == 0
+    assert APP_NAME not in serve.status().applications  # its application is gone; the cluster stays up
