@@ -107,3 +107,24 @@ def test_lpm_serves_the_longest_cached_prefix_first(models, queue, params, expec
         {"cold": random_prompts(1, 30, 30, seed=8)[0], "short": [*STEM[:12], 7, 7], "long": [*STEM, 7, 7]},
     )
     assert order == expected
+
+
+def test_a_policy_that_raises_during_admission_leaves_no_block_mapped(models):
+    engine = engine_for(models)
+    engine.generate([[*STEM, 3]], SamplingParams(max_new_tokens=1))  # STEM is cached
+    engine.add_request([*STEM, 4, 5], SamplingParams(max_new_tokens=1), request_id="hit")
+    sched = engine.scheduler
+    real = sched.prefill.num_tokens
+
+    def broken(seq, tokens_left, batch_empty):
+        raise RuntimeError("prefill policy bug")
+
+    sched.prefill.num_tokens = broken
+    with pytest.raises(RuntimeError, match="prefill policy bug"):
+        engine.step()
+    seq = sched.get("hit")
+    assert seq.block_table == [] and seq.num_computed_tokens == 0
+    sched.blocks.check(sched.running)
+    sched.prefill.num_tokens = real
+    out = engine.step()  # and it is admitted normally afterwards, with its hit
+    assert [o.request_id for o in out] == ["hit"] and engine.step_stats[-1].prefix_cache_hits_tokens == 40

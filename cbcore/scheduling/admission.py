@@ -33,29 +33,42 @@ class Admission:
                 continue  # the budget's choice, not a lack of room: those behind may still fit
             # Map the cached prefix first: the prefill policy and the budget then see only the rest.
             hit = self.blocks.acquire_cached(seq)
-            n = self._tokens_for(seq, plan)
-            if n <= 0:
-                self._return_cached(seq)
-                break
-            if not self._has_slot(plan, max_seqs) and not self._take_slot(seq, n, plan, max_seqs, state.now):
-                self._return_cached(seq)
-                break
-            if not self.blocks.can_grow(seq, n) and not self._preempt_for(seq, n, plan, state.now):
-                if self.blocks.num_used_blocks == len(seq.block_table):  # alone in the cache and still too big
-                    message = self._too_big(seq, n)
+            try:
+                verdict = self._admit(seq, hit, plan, state, max_seqs)
+            except BaseException:  # a policy raised: a waiting sequence must not keep the blocks it mapped
+                if seq.status is SequenceStatus.WAITING:
                     self._return_cached(seq)
-                    self._fail(seq, plan, state.now, message)
-                    continue
-                self._return_cached(seq)
+                raise
+            if verdict == "stop":
                 break
-            self.blocks.record_lookup(seq, hit)
-            self.waiting.remove(seq)
-            seq.status = SequenceStatus.RUNNING
-            if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = state.now
-            self.running.append(seq)
-            self.blocks.grow(seq, n)
-            plan.add(seq, n)
+
+    def _admit(
+        self: PolicyScheduler, seq: Sequence, hit: int, plan: PlanBuilder, state: SchedulerState, max_seqs: int
+    ) -> str:
+        """Admit ``seq`` (its cached prefix already mapped): "admitted", "failed" or "stop" (it does not fit)."""
+        n = self._tokens_for(seq, plan)
+        if n <= 0 or (
+            not self._has_slot(plan, max_seqs) and not self._take_slot(seq, n, plan, max_seqs, state.now)
+        ):
+            self._return_cached(seq)
+            return "stop"
+        if not self.blocks.can_grow(seq, n) and not self._preempt_for(seq, n, plan, state.now):
+            if self.blocks.num_used_blocks == len(seq.block_table):  # alone in the cache and still too big
+                message = self._too_big(seq, n)
+                self._return_cached(seq)
+                self._fail(seq, plan, state.now, message)
+                return "failed"
+            self._return_cached(seq)
+            return "stop"
+        self.blocks.record_lookup(seq, hit)
+        self.waiting.remove(seq)
+        seq.status = SequenceStatus.RUNNING
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = state.now
+        self.running.append(seq)
+        self.blocks.grow(seq, n)
+        plan.add(seq, n)
+        return "admitted"
 
     def _return_cached(self: PolicyScheduler, seq: Sequence) -> None:
         """Undo :meth:`BlockManager.acquire_cached` for a sequence that stays waiting."""
