@@ -6,7 +6,10 @@ width the profile measured. The knots are what lets the model follow a CPU
 BLAS whose cost is not monotone in the number of rows (2-3 rows can cost more
 than 4 here); the other terms are attention work, the LM head, and per-sequence
 host work. Coefficients are fitted by non-negative least squares on relative
-error, so short steps weigh as much as long ones.
+error, so short steps weigh as much as long ones, then scaled so that the
+timed steps' predicted total equals their measured total: on a machine whose
+step times are noisy, a fit of relative errors alone predicts the typical step
+and undershoots the mean, and durations and latencies are sums of steps.
 """
 
 from __future__ import annotations
@@ -32,7 +35,9 @@ class FitError(BaseModel):
     holdout_mean_abs: float | None = Field(
         None, description="The same over every 5th step, left out of the fit."
     )
-    total_time: float = Field(description="Sum of predicted over sum of measured step times, minus 1.")
+    holdout_total_time: float | None = Field(
+        None, description="Sum of predicted over sum of measured times of the held-out steps, minus 1."
+    )
 
 
 class FittedCost(BaseModel):
@@ -45,6 +50,11 @@ class FittedCost(BaseModel):
     per_sample_s: NonNegativeFloat
     per_seq_s: NonNegativeFloat
     fit: FitError
+    steps: list[tuple[int, int, int, int, int, int, float]] | None = Field(
+        None,
+        description="The timed steps: (sequences, prefill tokens, decode tokens, attention pairs, keys read, "
+        "sampled rows, seconds), so the fit can be checked or redone.",
+    )
 
     def step_time(self, shape: StepShape) -> float:
         tokens = shape.num_tokens
@@ -119,7 +129,8 @@ def fit_cost(shapes: Seq[StepShape], times: Seq[float], knots: Seq[int]) -> Fitt
     scale = np.maximum(np.abs(x).max(axis=0), 1e-12)
     train = np.arange(len(y)) % 5 != 4
     coef = _solve(x[train] / scale, y[train])
-    held = _errors(x[~train] / scale @ coef, y[~train])
+    held_pred = x[~train] / scale @ coef
+    held = _errors(held_pred, y[~train])
     coef = _solve(x / scale, y)  # the model kept uses every step
     pred = x / scale @ coef
     err = _errors(pred, y)
@@ -137,14 +148,28 @@ def fit_cost(shapes: Seq[StepShape], times: Seq[float], knots: Seq[int]) -> Fitt
             p90_abs=float(np.quantile(err, 0.9)),
             max_abs=float(err.max()),
             holdout_mean_abs=float(held.mean()) if held.size else None,
-            total_time=float(pred.sum() / y.sum() - 1.0),
+            holdout_total_time=float(held_pred.sum() / y[~train].sum() - 1.0) if held.size else None,
         ),
+        steps=[
+            (
+                s.num_seqs,
+                s.prefill_tokens,
+                s.decode_tokens,
+                s.attn_pairs,
+                s.kv_tokens,
+                s.num_samples,
+                float(t),
+            )
+            for s, t in zip(shapes, times, strict=True)
+        ],
     )
 
 
 def _solve(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     w = 1.0 / y
-    return nnls(x * w[:, None], y * w)
+    coef = nnls(x * w[:, None], y * w)
+    total = (x @ coef).sum()
+    return coef * (y.sum() / total) if total > 0 else coef
 
 
 def _errors(pred: np.ndarray, y: np.ndarray) -> np.ndarray:
