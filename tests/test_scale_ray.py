@@ -135,7 +135,7 @@ def test_killing_a_replica_mid_load_fails_only_its_streams_and_the_app_recovers(
     # (which must fail cleanly) and others queued without a token (which must be retried elsewhere).
     url = deploy(cb_tiny_model_dir, port, "round-robin", ("scheduler.budget.max_num_seqs=1",))
     prompts = random_prompts(8, min_len=3, max_len=20, seed=9)
-    n = 400
+    n = 200
     want = expected(reference, prompts, n)
     aclient = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
     streaming: set[int] = set()
@@ -161,18 +161,21 @@ def test_killing_a_replica_mid_load_fails_only_its_streams_and_the_app_recovers(
 
     async def load_and_kill() -> tuple[list[list[int] | Exception], str]:
         tasks = [asyncio.ensure_future(one(i, p)) for i, p in enumerate(prompts)]
-        await asyncio.wait_for(two_streaming.wait(), 60)
+        await asyncio.wait_for(two_streaming.wait(), 120)
         victim = replica_actor_names()[0]
         await asyncio.to_thread(lambda: ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True))
-        return await asyncio.wait_for(asyncio.gather(*tasks), 120), victim.rsplit("#", 1)[1]
+        # A bound, not a timing: the survivor serves seven requests one at a time on a busy machine.
+        return await asyncio.wait_for(asyncio.gather(*tasks), 600), victim.rsplit("#", 1)[1]
 
     results, victim = asyncio.run(load_and_kill())
     failed = [r for r in results if isinstance(r, Exception)]
-    assert failed, "the killed replica had a request streaming; it cannot have finished"
-    for r in failed:
-        assert "failed while serving this request" in str(r) and victim in str(r), str(r)
+    # The victim was streaming exactly one request (one sequence at a time, and two streams had
+    # tokens): that one fails, naming the replica; the victim's queued ones were sent again.
+    assert len(failed) == 1, failed
+    assert "failed while serving this request (after its first token" in str(failed[0]), str(failed[0])
+    assert victim in str(failed[0])
     ok = [(r, w) for r, w in zip(results, want, strict=True) if not isinstance(r, Exception)]
-    assert len(ok) >= len(prompts) // 2
+    assert len(ok) == len(prompts) - 1
     assert all(r == w for r, w in ok)  # every other request is complete and correct
 
     deadline = time.monotonic() + 90
