@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -10,6 +11,10 @@ import torch
 
 from cbcore.testing import random_prompts, reference_generate, tiny_model
 from cbcore.testing.reference import ReferenceOutput
+
+# A local Ray instance binds its services to loopback rather than the machine's
+# outward address (read by Ray when it is first imported, so set here).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 # Tiny models gain nothing from intra-op threads, and on a small shared machine
 # threads fighting over cores slow every test down by an order of magnitude.

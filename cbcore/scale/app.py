@@ -9,6 +9,7 @@ each replica's load every ``load_interval_s``. Joining an existing cluster
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import sys
@@ -128,6 +129,10 @@ def run(
     ready_line: str = "",
 ) -> int:
     """`cb serve --replicas N`: start or join Ray, deploy, serve until SIGTERM/SIGINT, then tear down."""
+    if not ray_address:
+        # A local instance keeps Ray's own services on loopback, not the machine's outward
+        # address; Ray reads this when first imported.
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
     from ray import serve
 
