@@ -7,6 +7,7 @@ prompts and with HF ``generate`` on each prompt alone (greedy, fp32).
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import httpx
 import openai
@@ -84,10 +85,13 @@ def test_completions_equal_the_engine_and_hf_streamed_or_not(client, model_name,
             max_tokens=cap,
             temperature=0,
             stream=True,
-            stream_options={"include_usage": True},
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
             extra_body=IDS,
         )
         chunks = list(stream)
+        assert [c.usage.completion_tokens for c in chunks[:-1]] == list(
+            itertools.accumulate(len(c.choices[0].token_ids) for c in chunks[:-1])
+        )
         assert chunks[-1].choices == [] and chunks[-1].usage == resp.usage
         body = [c.choices[0] for c in chunks[:-1]]
         assert [t for c in body for t in c.token_ids] == tokens

@@ -26,6 +26,7 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's extension (guidellm sends it): usage on every chunk
 
 
 class _Common(BaseModel):
@@ -88,6 +89,10 @@ class _Common(BaseModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(_Common):

@@ -209,7 +209,10 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
                     if first and tokens:
                         choice.prompt_token_ids = prompt_ids
                     first = False
-                    yield CompletionChunk(id=rid, created=created, model=state.model_name, choices=[choice])
+                    usage = run.usage if body.continuous_usage else None
+                    yield CompletionChunk(
+                        id=rid, created=created, model=state.model_name, choices=[choice], usage=usage
+                    )
             if body.include_usage:
                 yield CompletionChunk(
                     id=rid, created=created, model=state.model_name, choices=[], usage=run.usage
@@ -241,7 +244,10 @@ async def chat_completions(body: ChatRequest, request: Request) -> Response:
         async def chunks() -> AsyncIterator[BaseModel]:
             def chunk(delta: Delta, finish: str | None = None, ids: list[int] | None = None) -> ChatChunk:
                 choice = ChatChunkChoice(delta=delta, finish_reason=finish, token_ids=ids)  # type: ignore[arg-type]
-                return ChatChunk(id=rid, created=created, model=state.model_name, choices=[choice])
+                usage = run.usage if body.continuous_usage else None
+                return ChatChunk(
+                    id=rid, created=created, model=state.model_name, choices=[choice], usage=usage
+                )
 
             yield chunk(Delta(role="assistant", content=""))
             async for d in run.deltas():
