@@ -104,6 +104,18 @@ class ServeConfig(BaseModel):
     protect_metrics: bool = Field(False, description="Require the API key on /health and /metrics too.")
 
 
+class ExecutionConfig(BaseModel):
+    """How the runner drives the model's kernels (numbers stay the same, speed changes)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    linear_layout: Literal["auto", "standard", "transposed"] = Field(
+        "auto",
+        description="Product order of the linear layers inside engine steps: standard (x @ W.T), "
+        "transposed ((W @ x.T).T), or auto: measured per row count when the engine is built (CPU).",
+    )
+
+
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -115,6 +127,7 @@ class EngineConfig(BaseModel):
     kv_cache: KVCacheConfig = KVCacheConfig()
     model: ModelConfig = ModelConfig()
     serve: ServeConfig = ServeConfig()
+    execution: ExecutionConfig = ExecutionConfig()
     plugins: list[str] = Field(
         default_factory=list, description="Modules or .py files that implement cbcore hooks."
     )

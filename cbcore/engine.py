@@ -79,7 +79,14 @@ class Engine(EngineCore):
         num_blocks = plan_num_blocks(config.kv_cache, KVGeometry.of(model), next(model.parameters()).dtype)
         scheduler, _ = build_scheduler(config, num_blocks, clock)
         host_blocks = scheduler.blocks.num_host_blocks
-        self.runner = ModelRunner(model, backend, config.kv_cache.block_size, num_blocks, host_blocks)
+        self.runner = ModelRunner(
+            model,
+            backend,
+            config.kv_cache.block_size,
+            num_blocks,
+            host_blocks,
+            linear_layout=config.execution.linear_layout,
+        )
         self.model = model
         text_cfg = model.config.get_text_config()
         super().__init__(

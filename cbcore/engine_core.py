@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ from cbcore.scheduling.request_fields import (
 from cbcore.scheduling.sampling_params import SamplingParams
 from cbcore.scheduling.scheduler import Scheduler, SchedulerOutput
 from cbcore.scheduling.sequence import FinishReason, Sequence
-from cbcore.stats import EngineLoad, StepStats
+from cbcore.stats import EngineLoad, StepStats, StepTotals
 
 log = get_logger(__name__)
 
@@ -46,6 +47,9 @@ Prompt = str | list[int]
 class RequestError(ValueError):
     """A request was refused before it ran; the message says what was wrong with it."""
 
+
+#: How many recent StepStats ``step_stats`` keeps.
+STEP_STATS_KEPT = 1024
 
 @dataclass(frozen=True)
 class StepRecord:
@@ -127,7 +131,10 @@ class EngineCore:
         # False: step() reports only requests that ended (a caller that never streams saves a copy
         # of every running request's tokens per step).
         self.deltas = deltas
-        self.step_stats: list[StepStats] = []
+        # The most recent steps only, so a long-running engine holds constant memory; whoever
+        # needs every step (benchmarks, the demo) subscribes to step_listeners.
+        self.step_stats: deque[StepStats] = deque(maxlen=STEP_STATS_KEPT)
+        self.step_totals = StepTotals()
         self.step_listeners: list[Callable[[StepRecord], None]] = []
         self.num_preemptions_total = 0  # counted here, so that it holds for any Scheduler
         self._ids = itertools.count()
@@ -244,7 +251,7 @@ class EngineCore:
             outputs.extend(self._postprocess(out, self.executor.sample(prepared, forwarded)))
         t4 = self.clock()
         stats = StepStats(
-            step=len(self.step_stats) + 1,
+            step=self.step_totals.steps + 1,
             num_seqs=len(out.scheduled),
             num_tokens=out.num_tokens,
             num_prefill_tokens=out.num_prefill_tokens,
@@ -259,6 +266,7 @@ class EngineCore:
             forward_s=t3 - t2,
             sample_s=t4 - t3,
         )
+        self.step_totals.add(stats)
         self.step_stats.append(stats)
         for listener in self.step_listeners:
             listener(StepRecord(stats, out, batch, outputs))

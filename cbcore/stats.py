@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -59,3 +59,33 @@ class EngineLoad:
     def kv_usage(self) -> float:
         """Share of the device KV pool in use (0.0 to 1.0)."""
         return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
+@dataclass
+class StepTotals:
+    """Running aggregates over every step an engine ran (constant size, unlike a list of steps)."""
+
+    steps: int = 0
+    tokens: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    mixed_steps: int = 0
+    preemptions: int = 0
+    max_seqs: int = 0
+    seconds: dict[str, float] = field(
+        default_factory=lambda: dict.fromkeys(("schedule", "prepare", "forward", "sample"), 0.0)
+    )
+
+    def add(self, s: StepStats) -> None:
+        self.steps += 1
+        self.tokens += s.num_tokens
+        self.prefill_tokens += s.num_prefill_tokens
+        self.decode_tokens += s.num_decode_tokens
+        self.mixed_steps += s.is_mixed
+        self.preemptions += s.num_preempted
+        self.max_seqs = max(self.max_seqs, s.num_seqs)
+        sec = self.seconds
+        sec["schedule"] += s.schedule_s
+        sec["prepare"] += s.prepare_s
+        sec["forward"] += s.forward_s
+        sec["sample"] += s.sample_s

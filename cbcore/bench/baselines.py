@@ -32,7 +32,7 @@ from cbcore.bench.driver import ProgressFactory, RunResult, no_progress
 from cbcore.bench.workload import BenchRequest, Workload
 from cbcore.outputs import RequestMetrics, RequestOutput
 
-BASELINES = ("hf-static", "hf-generate-batch")
+BASELINES = ("hf-static", "hf-generate-batch", "seed-toy")  # seed-toy: cbcore.bench.seed_toy
 
 
 def eos_ids(model: torch.nn.Module) -> list[int]:

@@ -9,8 +9,9 @@ client of a real server.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -18,7 +19,7 @@ from typing import Any, Protocol
 from cbcore.bench.arrivals import Arrivals
 from cbcore.bench.workload import BenchRequest, Workload
 from cbcore.engine import Engine
-from cbcore.engine_core import EngineCore, RequestError
+from cbcore.engine_core import EngineCore, RequestError, StepRecord
 from cbcore.outputs import RequestOutput
 from cbcore.scheduling.sampling_params import SamplingParams
 from cbcore.stats import StepStats
@@ -105,7 +106,6 @@ def run_engine(
         raise RuntimeError("run_engine needs an idle engine")
     requests = workload.requests
     clock = engine.clock
-    first_step = len(engine.step_stats)
     index = {r.request_id: i for i, r in enumerate(requests)}
     done: dict[int, RequestOutput] = {}
     bar = progress(len(requests), name)
@@ -118,17 +118,18 @@ def run_engine(
         arrivals.finished(i, out, clock())
         bar.update(1)
 
-    while len(done) < len(requests):
-        for i in arrivals.due(clock()):
-            refused = submit(engine, requests[i], arrivals.prompt(i), arrivals.arrival_time(i))
-            if refused is not None:
-                finish(i, refused)
-        if engine.has_unfinished():
-            for out in engine.step():
-                if out.finished:
-                    finish(index[out.request_id], out)
-        elif not arrivals.exhausted:
-            idle += arrivals.wait(clock, sleep)
+    with recorded_steps(engine) as steps:
+        while len(done) < len(requests):
+            for i in arrivals.due(clock()):
+                refused = submit(engine, requests[i], arrivals.prompt(i), arrivals.arrival_time(i))
+                if refused is not None:
+                    finish(i, refused)
+            if engine.has_unfinished():
+                for out in engine.step():
+                    if out.finished:
+                        finish(index[out.request_id], out)
+            elif not arrivals.exhausted:
+                idle += arrivals.wait(clock, sleep)
     duration = clock() - start
     bar.close()
     return RunResult(
@@ -137,5 +138,22 @@ def run_engine(
         outputs=[done[i] for i in range(len(requests))],
         duration_s=duration,
         busy_s=duration - idle,
-        steps=list(engine.step_stats[first_step:]),
+        steps=steps,
     )
+
+
+@contextlib.contextmanager
+def recorded_steps(*engines: EngineCore) -> Iterator[list[StepStats]]:
+    """Every step the engines run inside the block, in order (engines keep only recent ones)."""
+    steps: list[StepStats] = []
+
+    def listener(record: StepRecord) -> None:
+        steps.append(record.stats)
+
+    for engine in engines:
+        engine.step_listeners.append(listener)
+    try:
+        yield steps
+    finally:
+        for engine in engines:
+            engine.step_listeners.remove(listener)

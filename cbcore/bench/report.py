@@ -28,6 +28,8 @@ COLUMNS: tuple[tuple[str, str, float, str], ...] = (
     ("prefix hit", "prefix_cache_hit_rate", 100, "{:.1f}%"),
     ("overhead", "engine_overhead_share", 100, "{:.1f}%"),
     ("fair", "fairness_spread", 1, "{:.2f}"),
+    ("RSS MB", "rss_peak_mb", 1, "{:.0f}"),
+    ("KV MB", "kv_pool_mb", 1, "{:.0f}"),
     ("=ref", "identical_to_reference", 1, "{}"),
 )
 
@@ -61,6 +63,9 @@ def table(result: BenchResult) -> str:
         *(fmt_line(b) for b in body),
     ]
     lines.extend(ratio_lines(result.rows))
+    peak = w.get("process_peak_rss_mb")
+    if peak is not None:
+        lines.append(f"process peak RSS {peak:.0f} MB (RSS MB: each row's own peak, sampled while it ran)")
     return "\n".join(lines)
 
 

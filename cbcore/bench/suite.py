@@ -21,7 +21,9 @@ import torch
 from cbcore.bench.baselines import BASELINES, run_hf_generate_batch, run_hf_static
 from cbcore.bench.driver import ProgressFactory, RunResult, no_progress, run_engine, warm_up
 from cbcore.bench.http_driver import run_http
+from cbcore.bench.memory import PeakRSS, process_peak_rss_bytes
 from cbcore.bench.metrics import SLO, latency_samples, summarize
+from cbcore.bench.seed_toy import run_seed_toy
 from cbcore.bench.workload import BenchRequest, Workload
 from cbcore.config import EngineConfig
 from cbcore.engine import Engine
@@ -148,20 +150,24 @@ def run_suite(
         limits = {"batch_size": batch_size}
         if name == "hf-generate-batch":
             limits["batch_tokens"] = batch_tokens
-        baseline = run_hf_static if name == "hf-static" else run_hf_generate_batch
+        baseline = {"hf-static": run_hf_static, "hf-generate-batch": run_hf_generate_batch}.get(name, run_seed_toy)
         runners[name] = partial(baseline, model, workload, token_ids, progress=progress, **limits)
     # Repetitions are interleaved (all rows, then all rows again) so that a change in machine
     # load during the benchmark hits every row alike; each row keeps its median run.
     runs: dict[str, list[RunResult]] = {name: [] for name in runners}
     for _ in range(repeat):
         for name, runner in runners.items():
-            runs[name].append(runner())
+            with PeakRSS() as rss:
+                run = runner()
+            run.info["rss_peak_mb"] = None if rss.peak_bytes is None else rss.peak_bytes / 2**20
+            runs[name].append(run)
     rows = []
     samples = {}
     for name, tries in runs.items():
         rows.append(summarize_runs(model, workload, tries, refs, slo))
         samples[name] = latency_samples(_median_run(tries).outputs)
-    return BenchResult(workload=workload.describe(), rows=rows, samples=samples)
+    described = {**workload.describe(), "process_peak_rss_mb": process_peak_rss_bytes() / 2**20}
+    return BenchResult(workload=described, rows=rows, samples=samples)
 
 
 def _run_config(
@@ -181,6 +187,8 @@ def _run_config(
         "backend": config.backend.name,
         "scheduler": config.scheduler.model_dump(exclude_defaults=True) or "default",
         "max_num_seqs": budget_limit(config, "max_num_seqs"),
+        "kv_pool_mb": engine.runner.kv_cache.nbytes / 2**20,
+        "kv_blocks": engine.runner.kv_cache.num_blocks,
     }
     del engine
     gc.collect()

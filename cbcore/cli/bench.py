@@ -67,7 +67,7 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
         action="append",
         default=[],
         dest="baselines",
-        choices=["hf-static", "hf-generate-batch"],
+        choices=["hf-static", "hf-generate-batch", "seed-toy"],
         help="add an outside baseline row (repeatable)",
     )
     parser.add_argument(

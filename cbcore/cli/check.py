@@ -147,17 +147,14 @@ def describe_config(config: Any) -> str:
 
 
 def describe_run(engine: Any) -> str:
-    stats = engine.step_stats
-    mixed = sum(s.is_mixed for s in stats)
-    preempted = sum(s.num_preempted for s in stats)
-    widest = max((s.num_seqs for s in stats), default=0)
+    totals = engine.step_totals
     parts = [
-        f"{len(stats)} steps",
-        f"up to {widest} sequences per step",
-        f"{mixed} mixed prefill+decode steps",
+        f"{totals.steps} steps",
+        f"up to {totals.max_seqs} sequences per step",
+        f"{totals.mixed_steps} mixed prefill+decode steps",
     ]
     partial = getattr(engine.scheduler, "num_partial_prefills", None)
     if partial is not None:
         parts.append(f"{partial} partial prefill chunks")
-    parts.append(f"{preempted} preemptions")
+    parts.append(f"{totals.preemptions} preemptions")
     return ", ".join(parts)

@@ -13,6 +13,7 @@ from cbcore.execution.attention import AttentionContext, check_model_supported, 
 from cbcore.execution.backend import Backend
 from cbcore.execution.batch import FlatBatch, build_flat_batch
 from cbcore.execution.kv_cache import KVCache
+from cbcore.execution.linear import LinearLayout, LinearRouter
 from cbcore.log import get_logger
 from cbcore.scheduling.plan import StepPlan
 
@@ -53,6 +54,7 @@ class ModelRunner:
         block_size: int,
         num_blocks: int,
         num_host_blocks: int = 0,
+        linear_layout: LinearLayout = "auto",
     ) -> None:
         check_model_supported(model)
         self.model = model.eval()
@@ -73,6 +75,7 @@ class ModelRunner:
             num_host_blocks=num_host_blocks,
         )
         self._attn = AttentionContext(backend, self.kv_cache)
+        self.linear = LinearRouter.for_model(self.model, linear_layout)
         self.num_forwards = 0
         log.info(
             "kv cache ready",
@@ -91,7 +94,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: FlatBatch) -> torch.Tensor:
         """One forward over the packed row; logits ``[S, vocab]`` for the sampling rows only."""
-        with routed_to_cbcore(self.model):
+        with routed_to_cbcore(self.model), self.linear.active():
             out = self.model(
                 input_ids=batch.input_ids.unsqueeze(0),
                 position_ids=batch.positions.unsqueeze(0),

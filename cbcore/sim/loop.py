@@ -16,7 +16,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Protocol
 
-from cbcore.bench.driver import ProgressFactory, RunResult, no_progress, submit
+from cbcore.bench.driver import ProgressFactory, RunResult, no_progress, recorded_steps, submit
 from cbcore.bench.workload import BenchRequest, Workload, WorkloadError
 from cbcore.engine_core import EngineCore
 from cbcore.outputs import RequestOutput
@@ -72,7 +72,6 @@ def simulate_run(
     requests = workload.requests
     order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)
     index = {r.request_id: i for i, r in enumerate(requests)}
-    first_steps = [len(r.engine.step_stats) for r in replicas]
     start = max(r.clock() for r in replicas)
     for r in replicas:
         r.clock.advance_to(start)
@@ -81,38 +80,38 @@ def simulate_run(
     idle = 0.0
     end = start
     nxt = 0
-    while len(done) < len(requests):
-        t_arrival = start + requests[order[nxt]].arrival_s if nxt < len(order) else math.inf
-        busy = [r for r in replicas if r.busy]
-        stepper = min(busy, key=lambda r: r.clock()) if busy else None
-        t_step = stepper.clock() if stepper is not None else math.inf
-        if t_arrival <= t_step:
-            i = order[nxt]
-            nxt += 1
-            req = requests[i]
-            where = _place(placement, req, replicas)
-            target = replicas[where]
-            if not target.busy:
-                if len(replicas) == 1:
-                    idle += max(0.0, t_arrival - target.clock())
-                target.clock.advance_to(t_arrival)
-            refused = submit(target.engine, req, token_ids[i], t_arrival)
-            if refused is not None:
-                done[i] = refused
-                placement.done(req.request_id, where)
-                bar.update(1)
-            continue
-        if stepper is None:  # nothing runs and nothing arrives, yet requests are missing
-            raise RuntimeError(f"simulation ended with {len(requests) - len(done)} requests unaccounted for")
-        for out in stepper.engine.step():
-            if out.finished:
-                done[index[out.request_id]] = out
-                placement.done(out.request_id, replicas.index(stepper))
-                bar.update(1)
-        end = max(end, stepper.clock())
+    with recorded_steps(*(r.engine for r in replicas)) as steps:
+        while len(done) < len(requests):
+            t_arrival = start + requests[order[nxt]].arrival_s if nxt < len(order) else math.inf
+            busy = [r for r in replicas if r.busy]
+            stepper = min(busy, key=lambda r: r.clock()) if busy else None
+            t_step = stepper.clock() if stepper is not None else math.inf
+            if t_arrival <= t_step:
+                i = order[nxt]
+                nxt += 1
+                req = requests[i]
+                where = _place(placement, req, replicas)
+                target = replicas[where]
+                if not target.busy:
+                    if len(replicas) == 1:
+                        idle += max(0.0, t_arrival - target.clock())
+                    target.clock.advance_to(t_arrival)
+                refused = submit(target.engine, req, token_ids[i], t_arrival)
+                if refused is not None:
+                    done[i] = refused
+                    placement.done(req.request_id, where)
+                    bar.update(1)
+                continue
+            if stepper is None:  # nothing runs and nothing arrives, yet requests are missing
+                raise RuntimeError(f"simulation ended with {len(requests) - len(done)} requests unaccounted for")
+            for out in stepper.engine.step():
+                if out.finished:
+                    done[index[out.request_id]] = out
+                    placement.done(out.request_id, replicas.index(stepper))
+                    bar.update(1)
+            end = max(end, stepper.clock())
     bar.close()
     duration = end - start
-    steps = [s for r, first in zip(replicas, first_steps, strict=True) for s in r.engine.step_stats[first:]]
     return RunResult(
         name=name,
         kind="simulated",

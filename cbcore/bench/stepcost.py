@@ -1,0 +1,254 @@
+"""The cost of one decode step: cbcore's engine against HF's batched decode, side by side.
+
+HF's batched decode is ``model(next_ids, past_key_values=DynamicCache)`` on
+``width`` rows whose contexts are all ``context`` tokens long (no padding, so
+no mask): the forward a padded-batch server runs for every token. cbcore's
+step is a whole :meth:`Engine.step` (schedule, pack, forward, sample,
+bookkeeping) with ``width`` sequences decoding at the same context.
+
+What a decode step costs does not depend on what the cached keys hold, only
+on how many there are, so neither side pays for a real prefill: HF's cache is
+filled with random tensors, and cbcore's sequences are brought to their
+decode state by steps whose forward is replaced with a stand-in that returns
+zero logits (the scheduler, block manager and KV pool run as usual). This
+makes a width-64 x 1024-token cell affordable on a small CPU.
+
+Measurements alternate between the two sides (HF, cbcore, HF, cbcore, ...)
+so that a change in machine load hits both alike; each side keeps its
+median.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from cbcore.config import EngineConfig
+from cbcore.engine import Engine
+from cbcore.execution.runner import KVGeometry
+from cbcore.scheduling.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Median seconds per step of each side for one cell of the table."""
+
+    width: int
+    context: int
+    threads: int
+    hf_s: float
+    cbcore_s: float
+    label: str = "decode"
+
+    @property
+    def ratio(self) -> float:
+        """cbcore / HF: below 1.0 cbcore's step is cheaper."""
+        return self.cbcore_s / self.hf_s
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _random_prompt(rng: random.Random, vocab: int, n: int) -> list[int]:
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+class HFDecode:
+    """``width`` rows of HF batched decode over a DynamicCache of ``context`` tokens each."""
+
+    def __init__(self, model: PreTrainedModel, width: int, context: int, seed: int = 0) -> None:
+        self.model = model
+        geometry = KVGeometry.of(model)
+        param = next(model.parameters())
+        gen = torch.Generator().manual_seed(seed)
+        self.cache = DynamicCache(config=model.config)
+        shape = (width, geometry.num_kv_heads, context, geometry.head_dim)
+        for layer in range(geometry.num_layers):
+            k = torch.randn(shape, generator=gen).to(param.device, param.dtype)
+            v = torch.randn(shape, generator=gen).to(param.device, param.dtype)
+            self.cache.update(k, v, layer)
+        vocab = model.config.get_text_config().vocab_size
+        self.next_ids = torch.randint(3, vocab, (width, 1), generator=gen).to(param.device)
+        self.position = context
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        width = self.next_ids.shape[0]
+        positions = torch.full((width, 1), self.position, device=self.next_ids.device)
+        out = self.model(
+            input_ids=self.next_ids, position_ids=positions, past_key_values=self.cache, use_cache=True
+        )
+        self.next_ids = out.logits[:, -1].argmax(dim=-1, keepdim=True)
+        self.position += 1
+
+
+@dataclass
+class PrefillOnly:
+    """HF's forward over one prompt alone (the prefill half of a mixed step's fair price)."""
+
+    model: PreTrainedModel
+    prompt: torch.Tensor  # [1, P]
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        self.model(input_ids=self.prompt, use_cache=True).logits[:, -1].argmax(dim=-1)
+
+
+def engine_config(width: int, context: int, steps: int, backend: str = "sdpa") -> EngineConfig:
+    """A roomy pool and budget for ``width`` sequences of ``context + steps`` tokens."""
+    block = 16
+    blocks = width * (-(-(context + steps + 2) // block)) + 4
+    return EngineConfig.model_validate(
+        {
+            "backend": {"name": backend},
+            "kv_cache": {"block_size": block, "num_blocks": blocks},
+            "scheduler": {
+                "budget": {
+                    "name": "token-budget",
+                    "max_num_seqs": max(width, 1),
+                    "max_num_batched_tokens": max(512, width),
+                }
+            },
+        }
+    )
+
+
+@contextlib.contextmanager
+def _stand_in_forward(engine: Engine) -> Iterator[None]:
+    """Replace the model forward with zero logits (for bringing sequences to their decode state)."""
+    runner = engine.runner
+    real = runner.forward
+    vocab = engine.vocab_size
+
+    def forward(batch: object) -> torch.Tensor:
+        return torch.zeros((batch.logits_indices.shape[0], vocab), device=runner.device)  # type: ignore[attr-defined]
+
+    runner.forward = forward  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        runner.forward = real  # type: ignore[method-assign]
+
+
+class EngineDecode:
+    """An engine with ``width`` sequences decoding at ``context`` tokens of context."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        width: int,
+        context: int,
+        steps: int,
+        *,
+        backend: str = "sdpa",
+        seed: int = 0,
+        prefill: int = 0,
+    ) -> None:
+        self.engine = Engine(model, None, engine_config(width, context + prefill, steps, backend))
+        rng = random.Random(seed)
+        vocab = self.engine.vocab_size
+        params = SamplingParams(max_new_tokens=10**6, ignore_eos=True)
+        for _ in range(width):
+            self.engine.add_request(_random_prompt(rng, vocab, context), params)
+        with _stand_in_forward(self.engine):
+            while any(s.is_prefilling for s in _running(self.engine)) or len(_running(self.engine)) < width:
+                self.engine.step()
+        gen = torch.Generator().manual_seed(seed)
+        kv = self.engine.runner.kv_cache
+        kv.k.copy_(torch.randn(kv.k.shape, generator=gen).to(kv.k.dtype))
+        kv.v.copy_(torch.randn(kv.v.shape, generator=gen).to(kv.v.dtype))
+        self.prefill_prompt = _random_prompt(rng, vocab, prefill) if prefill else None
+
+    def step(self) -> None:
+        if self.prefill_prompt is not None:  # a mixed step: the decodes plus one whole prompt
+            self.engine.add_request(self.prefill_prompt, SamplingParams(max_new_tokens=1))
+        self.engine.step()
+
+
+def _running(engine: Engine) -> list:
+    return list(getattr(engine.scheduler, "running", []))
+
+
+def time_side_by_side(sides: list[Callable[[], None]], rounds: int, steps: int) -> list[float]:
+    """Median seconds per call of each side; sides alternate within every round."""
+    for step in sides:  # one untimed call each: first-call costs
+        step()
+    samples: list[list[float]] = [[] for _ in sides]
+    for _ in range(rounds):
+        for i, step in enumerate(sides):
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step()
+            samples[i].append((time.perf_counter() - t0) / steps)
+    return [statistics.median(s) for s in samples]
+
+
+def decode_cell(
+    model: PreTrainedModel,
+    width: int,
+    context: int,
+    threads: int,
+    *,
+    rounds: int = 3,
+    steps: int = 3,
+    backend: str = "sdpa",
+) -> StepCost:
+    with torch_threads(threads):
+        hf = HFDecode(model, width, context)
+        cb = EngineDecode(model, width, context, (rounds + 1) * steps, backend=backend)
+        hf_s, cb_s = time_side_by_side([hf.step, cb.step], rounds, steps)
+        del hf, cb
+    return StepCost(width, context, threads, hf_s, cb_s)
+
+
+def mixed_cell(
+    model: PreTrainedModel,
+    width: int,
+    context: int,
+    prompt_len: int,
+    threads: int,
+    *,
+    rounds: int = 3,
+    steps: int = 2,
+    backend: str = "sdpa",
+) -> StepCost:
+    """cbcore's step with ``width`` decodes plus one ``prompt_len`` prefill, against HF's
+    decode step plus HF's prefill of the same prompt run separately (their sum)."""
+    with torch_threads(threads):
+        hf = HFDecode(model, width, context)
+        gen = torch.Generator().manual_seed(1)
+        vocab = model.config.get_text_config().vocab_size
+        prompt = torch.randint(3, vocab, (1, prompt_len), generator=gen).to(next(model.parameters()).device)
+        prefill = PrefillOnly(model, prompt)
+        cb = EngineDecode(model, width, context, (rounds + 1) * steps, backend=backend, prefill=prompt_len)
+        hf_decode_s, hf_prefill_s, cb_s = time_side_by_side([hf.step, prefill.step, cb.step], rounds, steps)
+        del hf, cb
+    label = f"{width} decodes + prefill {prompt_len}"
+    return StepCost(width, context, threads, hf_decode_s + hf_prefill_s, cb_s, label)
+
+
+def format_table(cells: list[StepCost]) -> str:
+    lines = [
+        "| step | context | threads | HF ms | cbcore ms | cbcore / HF |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for c in cells:
+        what = f"decode x{c.width}" if c.label == "decode" else c.label
+        lines.append(
+            f"| {what} | {c.context} | {c.threads} | {c.hf_s * 1e3:.1f} | {c.cbcore_s * 1e3:.1f} | {c.ratio:.2f} |"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,144 @@
+"""Linear layers in the product order the BLAS is fast at, for the row counts a step carries.
+
+``F.linear(x, W)`` asks the BLAS for ``x @ W.T`` (rows x in, times in x out).
+With few rows (a decode step of 2-8 sequences) some CPU BLAS builds pick a
+poor kernel for that shape: on a 2-core AVX2 machine with MKL, 3 rows cost
+about 2x one row although both stream the same weights. The same numbers
+computed as ``(W @ x.T).T`` — the weight as the left operand, in the layout
+it already has — avoid that: no copy of the weights, only the ``[rows, out]``
+result is made contiguous again.
+
+Which order wins depends on the BLAS, the core and the row count, so it is
+measured once when an engine is built (:func:`calibrate`: both orders on the
+model's own weight shapes at each row count of interest, interleaved) and
+looked up by row count on every call. The alternative order is used only
+inside an engine forward (:meth:`LinearRouter.active`): the model object stays
+a plain HF model for anyone else using it, ``generate()`` included.
+
+Both orders compute the same dot products in fp32; they may sum them in a
+different order (last-bit differences), which the equivalence tests cover
+like any other change of batch shape.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cbcore.log import get_logger
+
+log = get_logger(__name__)
+
+LinearLayout = Literal["auto", "standard", "transposed"]
+#: Row counts calibrated; a step with more rows than the largest uses the larger's choice.
+CALIBRATED_ROWS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
+#: The transposed order must beat the standard one by this factor to be chosen.
+MARGIN = 0.93
+
+
+class LinearRouter:
+    """Owns the per-row-count choice and the modules it applies to.
+
+    One router per model and layout (:meth:`for_model`): engines built one
+    after another on the same model share its calibration.
+    """
+
+    @classmethod
+    def for_model(cls, model: nn.Module, layout: LinearLayout = "auto") -> LinearRouter:
+        router = getattr(model, "_cbcore_linear_router", None)
+        if router is None or router.layout != layout:
+            router = cls(model, layout)
+            model._cbcore_linear_router = router  # type: ignore[assignment]
+        return router
+
+    def __init__(self, model: nn.Module, layout: LinearLayout = "auto") -> None:
+        self.layout = layout
+        self.modules = [m for m in model.modules() if type(m) is nn.Linear]
+        self.transposed_rows: frozenset[int] = frozenset()
+        self.above_max = False  # choice for row counts beyond CALIBRATED_ROWS
+        self._active = False
+        if not self.modules or layout == "standard":
+            return
+        device = self.modules[0].weight.device
+        if layout == "transposed":
+            self.transposed_rows, self.above_max = frozenset(CALIBRATED_ROWS), True
+        elif device.type == "cpu":
+            self.transposed_rows = calibrate(self.modules)
+            self.above_max = max(CALIBRATED_ROWS) in self.transposed_rows
+        for module in self.modules:
+            if self.transposed_rows:
+                module.forward = _routed_forward(module, self)  # type: ignore[method-assign]
+            else:  # back to the class's own forward (an earlier router may have routed it)
+                module.__dict__.pop("forward", None)
+        log.info("linear layout", transposed_rows=sorted(self.transposed_rows))
+
+    def uses_transposed(self, rows: int) -> bool:
+        if not self._active:
+            return False
+        if rows > CALIBRATED_ROWS[-1]:
+            return self.above_max
+        return rows in self.transposed_rows
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        self._active = True
+        try:
+            yield
+        finally:
+            self._active = False
+
+
+def transposed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` computed as ``(W @ x.T).T`` (made contiguous)."""
+    flat = x.reshape(-1, x.shape[-1])
+    out = torch.mm(weight, flat.t()).t().contiguous()
+    if bias is not None:
+        out += bias
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def _routed_forward(module: nn.Linear, router: LinearRouter):
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if router.uses_transposed(rows):
+            return transposed_linear(x, module.weight, module.bias)
+        return F.linear(x, module.weight, module.bias)
+
+    return forward
+
+
+@torch.inference_mode()
+def calibrate(modules: list[nn.Linear], rounds: int = 5) -> frozenset[int]:
+    """Row counts at which the transposed order is clearly faster on this machine.
+
+    Times both orders over one layer's worth of distinct weight shapes (the
+    first module of each shape), best of ``rounds`` interleaved runs each.
+    """
+    weights: dict[tuple[int, int], nn.Linear] = {}
+    for m in modules[:16]:
+        weights.setdefault(tuple(m.weight.shape), m)
+    # With one thread, CPU time of this thread is what the product costs, and it is far less
+    # disturbed by other processes on a shared machine than wall time.
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+    chosen = set()
+    for rows in CALIBRATED_ROWS:
+        xs = [torch.randn(rows, m.in_features, dtype=m.weight.dtype) for m in weights.values()]
+        best = {"standard": float("inf"), "transposed": float("inf")}
+        for _ in range(rounds):
+            for name in best:
+                t0 = clock()
+                for x, m in zip(xs, weights.values(), strict=True):
+                    if name == "standard":
+                        F.linear(x, m.weight, m.bias)
+                    else:
+                        transposed_linear(x, m.weight, m.bias)
+                best[name] = min(best[name], clock() - t0)
+        if best["transposed"] < MARGIN * best["standard"]:
+            chosen.add(rows)
+    return frozenset(chosen)
