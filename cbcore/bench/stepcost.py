@@ -15,7 +15,9 @@ makes a width-64 x 1024-token cell affordable on a small CPU.
 
 Measurements alternate between the two sides (HF, cbcore, HF, cbcore, ...)
 so that a change in machine load hits both alike; each side keeps its
-median.
+median. With one torch thread the clock is the CPU time of the calling
+thread (both sides run entirely on it), which other processes on a shared
+machine disturb far less than wall time; with more threads it is wall time.
 """
 
 from __future__ import annotations
@@ -183,17 +185,23 @@ def _running(engine: Engine) -> list:
     return list(getattr(engine.scheduler, "running", []))
 
 
-def time_side_by_side(sides: list[Callable[[], None]], rounds: int, steps: int) -> list[float]:
+def step_clock(threads: int) -> Callable[[], float]:
+    return time.thread_time if threads == 1 else time.perf_counter
+
+
+def time_side_by_side(
+    sides: list[Callable[[], None]], rounds: int, steps: int, clock: Callable[[], float] = time.perf_counter
+) -> list[float]:
     """Median seconds per call of each side; sides alternate within every round."""
     for step in sides:  # one untimed call each: first-call costs
         step()
     samples: list[list[float]] = [[] for _ in sides]
     for _ in range(rounds):
         for i, step in enumerate(sides):
-            t0 = time.perf_counter()
+            t0 = clock()
             for _ in range(steps):
                 step()
-            samples[i].append((time.perf_counter() - t0) / steps)
+            samples[i].append((clock() - t0) / steps)
     return [statistics.median(s) for s in samples]
 
 
@@ -210,7 +218,7 @@ def decode_cell(
     with torch_threads(threads):
         hf = HFDecode(model, width, context)
         cb = EngineDecode(model, width, context, (rounds + 1) * steps, backend=backend)
-        hf_s, cb_s = time_side_by_side([hf.step, cb.step], rounds, steps)
+        hf_s, cb_s = time_side_by_side([hf.step, cb.step], rounds, steps, step_clock(threads))
         del hf, cb
     return StepCost(width, context, threads, hf_s, cb_s)
 
@@ -235,7 +243,9 @@ def mixed_cell(
         prompt = torch.randint(3, vocab, (1, prompt_len), generator=gen).to(next(model.parameters()).device)
         prefill = PrefillOnly(model, prompt)
         cb = EngineDecode(model, width, context, (rounds + 1) * steps, backend=backend, prefill=prompt_len)
-        hf_decode_s, hf_prefill_s, cb_s = time_side_by_side([hf.step, prefill.step, cb.step], rounds, steps)
+        hf_decode_s, hf_prefill_s, cb_s = time_side_by_side(
+            [hf.step, prefill.step, cb.step], rounds, steps, step_clock(threads)
+        )
         del hf, cb
     label = f"{width} decodes + prefill {prompt_len}"
     return StepCost(width, context, threads, hf_decode_s + hf_prefill_s, cb_s, label)
