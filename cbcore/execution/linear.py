@@ -63,12 +63,10 @@ class LinearRouter:
         self.transposed_rows: frozenset[int] = frozenset()
         self.above_max = False  # choice for row counts beyond CALIBRATED_ROWS
         self._active = False
-        if not self.modules or layout == "standard":
-            return
-        device = self.modules[0].weight.device
+        device = self.modules[0].weight.device if self.modules else None
         if layout == "transposed":
             self.transposed_rows, self.above_max = frozenset(CALIBRATED_ROWS), True
-        elif device.type == "cpu":
+        elif layout == "auto" and device is not None and device.type == "cpu":
             self.transposed_rows = calibrate(self.modules)
             self.above_max = max(CALIBRATED_ROWS) in self.transposed_rows
         for module in self.modules:

@@ -71,7 +71,7 @@ def test_decode_step(benchmark, model, width, context, threads):
             pytest.skip("the full grid runs with --benchmark-enable")
         context = 24  # the tiny model's positions are few
     benchmark.group = f"decode ctx {context}"
-    rounds, steps = (5, 2) if benchmark.enabled else (1, 1)
+    rounds, steps = (3, 2) if benchmark.enabled else (1, 1)
     _run(benchmark, lambda: decode_cell(model, width, context, threads, rounds=rounds, steps=steps))
 
 
@@ -83,7 +83,7 @@ def test_mixed_step(benchmark, model, width, context, prompt, threads):
             pytest.skip("the full grid runs with --benchmark-enable")
         context, prompt = 24, 16
     benchmark.group = "mixed"
-    rounds = 5 if benchmark.enabled else 1
+    rounds = 3 if benchmark.enabled else 1
     _run(benchmark, lambda: mixed_cell(model, width, context, prompt, threads, rounds=rounds))
 
 
