@@ -100,14 +100,17 @@ class HFDecode:
 
 @dataclass
 class PrefillOnly:
-    """HF's forward over one prompt alone (the prefill half of a mixed step's fair price)."""
+    """HF's forward over one prompt alone (the prefill half of a mixed step's fair price).
+
+    Logits only at the last position, as ``generate()`` asks for them.
+    """
 
     model: PreTrainedModel
     prompt: torch.Tensor  # [1, P]
 
     @torch.inference_mode()
     def step(self) -> None:
-        self.model(input_ids=self.prompt, use_cache=True).logits[:, -1].argmax(dim=-1)
+        self.model(input_ids=self.prompt, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(dim=-1)
 
 
 def engine_config(width: int, context: int, steps: int, backend: str = "sdpa") -> EngineConfig:

@@ -54,37 +54,41 @@ def print_table(request):
             write(line)
 
 
-def _run(benchmark, cell_fn):
+def _run(request, benchmark, cell_fn):
     cost = benchmark.pedantic(cell_fn, rounds=1, iterations=1) if benchmark.enabled else cell_fn()
     assert cost.hf_s > 0 and cost.cbcore_s > 0
     if benchmark.enabled:
         CELLS.append(cost)
+        # Each cell as soon as it is measured: the whole grid takes long on a small machine.
+        plugins = request.config.pluginmanager
+        with plugins.get_plugin("capturemanager").global_and_fixture_disabled():
+            plugins.get_plugin("terminalreporter").write_line(" " + format_table([cost]).splitlines()[-1])
     return cost
 
 
 @pytest.mark.parametrize("threads", THREADS)
 @pytest.mark.parametrize("context", CONTEXTS)
 @pytest.mark.parametrize("width", WIDTHS)
-def test_decode_step(benchmark, model, width, context, threads):
+def test_decode_step(request, benchmark, model, width, context, threads):
     if not benchmark.enabled:
         if (width, context, threads) not in {(1, 128, 1), (3, 128, 1)}:
             pytest.skip("the full grid runs with --benchmark-enable")
         context = 24  # the tiny model's positions are few
     benchmark.group = f"decode ctx {context}"
     rounds, steps = (3, 2) if benchmark.enabled else (1, 1)
-    _run(benchmark, lambda: decode_cell(model, width, context, threads, rounds=rounds, steps=steps))
+    _run(request, benchmark, lambda: decode_cell(model, width, context, threads, rounds=rounds, steps=steps))
 
 
 @pytest.mark.parametrize("threads", THREADS)
 @pytest.mark.parametrize(("width", "context", "prompt"), MIXED)
-def test_mixed_step(benchmark, model, width, context, prompt, threads):
+def test_mixed_step(request, benchmark, model, width, context, prompt, threads):
     if not benchmark.enabled:
         if threads != 1 or width != 3:
             pytest.skip("the full grid runs with --benchmark-enable")
         context, prompt = 24, 16
     benchmark.group = "mixed"
     rounds = 3 if benchmark.enabled else 1
-    _run(benchmark, lambda: mixed_cell(model, width, context, prompt, threads, rounds=rounds))
+    _run(request, benchmark, lambda: mixed_cell(model, width, context, prompt, threads, rounds=rounds))
 
 
 def test_decode_state_is_what_the_cell_claims():
