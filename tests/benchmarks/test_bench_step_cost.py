@@ -75,7 +75,7 @@ def test_decode_step(request, benchmark, model, width, context, threads):
             pytest.skip("the full grid runs with --benchmark-enable")
         context = 24  # the tiny model's positions are few
     benchmark.group = f"decode ctx {context}"
-    rounds, steps = (3, 2) if benchmark.enabled else (1, 1)
+    rounds, steps = (3, 1) if benchmark.enabled else (1, 1)
     _run(request, benchmark, lambda: decode_cell(model, width, context, threads, rounds=rounds, steps=steps))
 
 
