@@ -37,7 +37,7 @@ class PluginSpec(BaseModel):
 class SchedulerConfig(BaseModel):
     """One policy per extension point, or ``name`` naming a whole-scheduler replacement."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     queue: PluginSpec = PluginSpec(name="fcfs")
     budget: PluginSpec = PluginSpec(name="token-budget")
@@ -62,7 +62,7 @@ class SchedulerConfig(BaseModel):
 
 
 class KVCacheConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     block_size: PositiveInt = 16
     num_blocks: PositiveInt | None = Field(None, description="None: as many as max_memory_mb holds.")
@@ -80,7 +80,7 @@ class KVCacheConfig(BaseModel):
 
 
 class ModelConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     path: str | None = Field(None, description="HF model directory or hub id; None: the embedded default.")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "float32"
@@ -117,7 +117,8 @@ class ExecutionConfig(BaseModel):
 
 
 class EngineConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Strict everywhere (plugin params too, see plugins.py): "5" is not 5, "yes" is not True.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     scheduler: SchedulerConfig = SchedulerConfig()
     backend: PluginSpec = PluginSpec(name="sdpa")
@@ -184,7 +185,25 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     plugins = data.get("plugins")
     if isinstance(plugins, list):  # file paths are relative to the config file, like includes
         data["plugins"] = [_relative_to(path.parent, p) for p in plugins]
+    for section in _slots(data):  # and so are `path/to/file.py:Class` names in a slot
+        name = section.get("name")
+        if isinstance(name, str) and ".py:" in name:
+            file, _, cls = name.rpartition(":")
+            section["name"] = f"{_relative_to(path.parent, file)}:{cls}"
     return data
+
+
+def _slots(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """The plugin sections of a config: the four policy slots, a whole scheduler, backend, router."""
+    places = [(data, "backend"), (data, "router")]
+    sched = data.get("scheduler")
+    if isinstance(sched, dict):
+        places += [(sched, slot) for slot in ("queue", "budget", "prefill", "preemption")]
+    for parent, key in places:
+        if isinstance(parent.get(key), str):  # the `queue: fcfs` shorthand
+            parent[key] = {"name": parent[key]}
+    found = [parent.get(key) for parent, key in places] + [sched]
+    return [s for s in found if isinstance(s, dict)]
 
 
 def _relative_to(base: Path, ref: Any) -> Any:
@@ -222,10 +241,13 @@ class ConfigError(ValueError):
 
 
 def format_validation_error(exc: ValidationError) -> str:
-    """One line per problem: ``key.path: message``."""
-    lines = []
-    for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"])
-        msg = err["msg"].removeprefix("Value error, ")
-        lines.append(f"{loc}: {msg}" if loc else msg)
-    return "; ".join(lines)
+    """One line per problem: ``key.path: message``; an unknown key gets the closest known one suggested."""
+    from cbcore.suggest import validation_problems
+
+    model = exc.title and _MODELS.get(exc.title)
+    return "; ".join(validation_problems(exc, model or None))
+
+
+_MODELS: dict[str, type[BaseModel]] = {
+    m.__name__: m for m in (EngineConfig, SchedulerConfig, KVCacheConfig, ModelConfig)
+}

@@ -14,7 +14,7 @@ from cbcore.config import EngineConfig
 from cbcore.engine_core import EngineCore, Prompt, RequestError, Sampled, StepRecord, build_scheduler
 from cbcore.execution.batch import FlatBatch
 from cbcore.execution.runner import KVGeometry, ModelRunner, plan_num_blocks
-from cbcore.execution.sampler import sample
+from cbcore.execution.sampler import sample_each
 from cbcore.plugins import get_registry
 from cbcore.scheduling.plan import StepPlan
 from cbcore.scheduling.scheduler import SchedulerOutput
@@ -34,8 +34,7 @@ class ModelExecutor:
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
 
-    def prepare(self, out: SchedulerOutput) -> _Prepared:
-        plan = out.to_plan()
+    def prepare(self, out: SchedulerOutput, plan: StepPlan) -> _Prepared:
         self.runner.swap(plan)
         return _Prepared(plan, self.runner.prepare(plan))
 
@@ -50,8 +49,10 @@ class ModelExecutor:
 
     def sample(self, prepared: _Prepared, logits: torch.Tensor) -> Sampled:
         rows = list(prepared.batch.sample_rows)
-        tokens, top = sample(logits, [prepared.plan.rows[i] for i in rows])
-        return Sampled(rows, list(tokens), list(top))
+        plans = [prepared.plan.rows[i] for i in rows]
+        states = [(p.generator, p.generator.get_state()) for p in plans if p.generator is not None]
+        tokens, top, errors = sample_each(logits, plans, states)
+        return Sampled(rows, list(tokens), list(top), errors)
 
 
 class Engine(EngineCore):
@@ -89,6 +90,13 @@ class Engine(EngineCore):
         )
         self.model = model
         text_cfg = model.config.get_text_config()
+        positions = getattr(text_cfg, "max_position_embeddings", None)
+        wanted = config.model.max_model_len
+        if wanted is not None and positions is not None and wanted > positions:
+            raise ValueError(
+                f"model.max_model_len is {wanted} but the model has only {positions} positions "
+                "(max_position_embeddings); lower it or leave it unset"
+            )
         super().__init__(
             config,
             ModelExecutor(self.runner),

@@ -23,7 +23,9 @@ from cbcore.config import EngineConfig
 from cbcore.log import get_logger
 from cbcore.outputs import RequestOutput
 from cbcore.plugins import get_registry
+from cbcore.request_checks import Prompt, RequestError, check_request, encode_prompt
 from cbcore.scheduling.block_manager import BlockManager
+from cbcore.scheduling.plan import StepPlan
 from cbcore.scheduling.policy import StepResult
 from cbcore.scheduling.policy_scheduler import PolicyScheduler
 from cbcore.scheduling.request_fields import (
@@ -34,18 +36,16 @@ from cbcore.scheduling.request_fields import (
     check_request_id,
     freeze_attrs,
 )
+from cbcore.scheduling.rollback import TokenUndo
 from cbcore.scheduling.sampling_params import SamplingParams
 from cbcore.scheduling.scheduler import Scheduler, SchedulerOutput
 from cbcore.scheduling.sequence import FinishReason, Sequence
 from cbcore.stats import EngineLoad, StepStats, StepTotals
+from cbcore.step_guard import StepGuard
 
 log = get_logger(__name__)
 
-Prompt = str | list[int]
-
-
-class RequestError(ValueError):
-    """A request was refused before it ran; the message says what was wrong with it."""
+__all__ = ["EngineCore", "Executor", "Prompt", "RequestError", "Sampled", "StepRecord", "build_scheduler"]
 
 
 #: How many recent StepStats ``step_stats`` keeps.
@@ -68,12 +68,18 @@ class Sampled:
     rows: list[int]  # indices into SchedulerOutput.scheduled of the rows that sampled
     tokens: list[int]
     logprobs: list[dict[int, float] | None]
+    # Per row, why its sampling failed (that request alone ends with an error), or None.
+    errors: list[str | None] | None = None
 
 
 class Executor(Protocol):
-    """Runs a decided step. The engine times ``prepare`` and ``forward`` separately."""
+    """Runs a decided step. The engine times ``prepare`` and ``forward`` separately.
 
-    def prepare(self, out: SchedulerOutput) -> Any: ...
+    ``prepare`` gets the scheduler's decision and the plan the engine checked
+    and built from it (the rows to run); it must run that plan.
+    """
+
+    def prepare(self, out: SchedulerOutput, plan: StepPlan) -> Any: ...
     def forward(self, prepared: Any) -> Any: ...
     def sample(self, prepared: Any, forwarded: Any) -> Sampled: ...
     def batch_of(self, prepared: Any) -> Any: ...
@@ -138,6 +144,8 @@ class EngineCore:
         self.step_listeners: list[Callable[[StepRecord], None]] = []
         self.num_preemptions_total = 0  # counted here, so that it holds for any Scheduler
         self._ids = itertools.count()
+        self.guard = StepGuard(scheduler, config, clock)
+        self._live: dict[str, Sequence] = {}  # every request added and not yet ended
 
     # -- requests ------------------------------------------------------------
 
@@ -182,12 +190,12 @@ class EngineCore:
             isinstance(arrival_time, bool) or not isinstance(arrival_time, int | float)
         ):
             raise RequestError(f"request {request_id!r}: arrival_time must be a number, got {arrival_time!r}")
-        if self.scheduler_has(request_id):
+        if request_id in self._live:
             raise RequestError(f"request id {request_id!r} is already in use")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise RequestError(f"request {request_id!r}: cache_salt must be a string, got {type(cache_salt).__name__}")
-        token_ids = self._encode(prompt, request_id)
-        self._validate(token_ids, request_id)
+        token_ids = encode_prompt(prompt, request_id, self.tokenizer)
+        check_request(token_ids, request_id, params, self.vocab_size, self.max_model_len, self.scheduler.blocks)
         seq = Sequence(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -196,17 +204,18 @@ class EngineCore:
             cache_salt=cache_salt,
             **fields,
         )
-        self.scheduler.add(seq)
+        self.guard.call(self.scheduler.add, seq)  # the composed scheduler registers all or nothing
+        self._live[request_id] = seq
         return request_id
 
     def scheduler_has(self, request_id: str) -> bool:
-        get = getattr(self.scheduler, "get", None)
-        return get is not None and get(request_id) is not None
+        return request_id in self._live
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request wherever it is; its KV blocks are freed at once."""
-        seq = self.scheduler.abort(request_id)
+        seq = self.guard.call(self.scheduler.abort, request_id)
         if seq is not None:
+            self._live.pop(request_id, None)
             log.info("request aborted", request_id=request_id, generated=seq.num_output_tokens)
         return seq is not None
 
@@ -231,24 +240,45 @@ class EngineCore:
     # -- the loop ------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; return a delta for every request that produced a token or ended."""
+        """Run one iteration; return a delta for every request that produced a token or ended.
+
+        The plan is checked before anything runs (:mod:`cbcore.step_guard`). If
+        anything in the step fails -- a plugin raises, the plan breaks a rule,
+        the forward fails -- the step is undone before the exception
+        propagates: the engine is as it was, and the error names the plugin.
+        """
         blocks = self.scheduler.blocks
         queries0 = getattr(blocks, "prefix_cache_queries_tokens", 0)
         hits0 = getattr(blocks, "prefix_cache_hits_tokens", 0)
         t0 = self.clock()
-        out = self.scheduler.schedule()
-        t1 = self.clock()
+        restore = self.guard.snapshot(self._live)
+        undo = TokenUndo()
+        try:
+            out = self.guard.call(self.scheduler.schedule)
+            plan = self.guard.check(out)
+            t1 = self.clock()
+            batch = None
+            t2 = t3 = t1
+            outputs: list[RequestOutput] = []
+            if plan.rows:
+                prepared = self.executor.prepare(out, plan)
+                batch = self.executor.batch_of(prepared)
+                t2 = self.clock()
+                forwarded = self.executor.forward(prepared)
+                t3 = self.clock()
+                undo.save_rng(plan)
+                outputs = self._postprocess(out, self.executor.sample(prepared, forwarded), undo)
+        except BaseException as exc:
+            undo.restore()
+            restore()
+            named = self.guard.named(exc)
+            if named is exc:
+                raise
+            raise named from exc
+        for seq in out.failed:
+            self._live.pop(seq.request_id, None)
+        outputs[:0] = [RequestOutput.of(seq, [], self._text(seq)) for seq in out.failed]
         self.num_preemptions_total += len(out.preempted)
-        outputs = [RequestOutput.of(seq, [], self._text(seq)) for seq in out.failed]
-        batch = None
-        t2 = t3 = t1
-        if not out.is_empty:
-            prepared = self.executor.prepare(out)
-            batch = self.executor.batch_of(prepared)
-            t2 = self.clock()
-            forwarded = self.executor.forward(prepared)
-            t3 = self.clock()
-            outputs.extend(self._postprocess(out, self.executor.sample(prepared, forwarded)))
         t4 = self.clock()
         stats = StepStats(
             step=self.step_totals.steps + 1,
@@ -272,12 +302,19 @@ class EngineCore:
             listener(StepRecord(stats, out, batch, outputs))
         return outputs
 
-    def _postprocess(self, out: SchedulerOutput, sampled: Sampled) -> list[RequestOutput]:
+    def _postprocess(self, out: SchedulerOutput, sampled: Sampled, undo: TokenUndo) -> list[RequestOutput]:
         now = self.clock()
         new_token: dict[Sequence, int] = {}
-        for row, token, logprobs in zip(sampled.rows, sampled.tokens, sampled.logprobs, strict=True):
+        failed: list[Sequence] = []
+        errors = sampled.errors or [None] * len(sampled.rows)
+        for row, token, logprobs, error in zip(sampled.rows, sampled.tokens, sampled.logprobs, errors, strict=True):
             seq = out.scheduled[row].seq
             seq.num_computed_tokens = seq.num_tokens
+            if error is not None:  # this request alone fails; the rest of the batch goes on
+                seq.finish(FinishReason.ERROR, now, error)
+                failed.append(seq)
+                continue
+            undo.appended.append((seq, seq.first_token_time is not None))
             seq.append_token(token, now)
             if logprobs is not None:
                 seq.logprobs.append(logprobs)
@@ -285,15 +322,20 @@ class EngineCore:
             new_token[seq] = token
         results = []
         for item in out.scheduled:
-            if item.seq not in new_token:  # a non-final prefill chunk
-                item.seq.num_computed_tokens += item.num_tokens
-            results.append(StepResult(item.seq, item.num_tokens, new_token.get(item.seq)))
+            seq = item.seq
+            if seq not in new_token and not seq.is_finished:  # a non-final prefill chunk
+                seq.num_computed_tokens += item.num_tokens
+            results.append(StepResult(seq, item.num_tokens, new_token.get(seq)))
         self.scheduler.on_step_end(out, results)
-        return [
+        for seq in (*new_token, *failed):
+            if seq.is_finished:
+                self._live.pop(seq.request_id, None)
+        outputs = [
             RequestOutput.of(seq, [tok], self._text(seq))
             for seq, tok in new_token.items()
             if self.deltas or seq.is_finished
         ]
+        return outputs + [RequestOutput.of(seq, [], self._text(seq)) for seq in failed]
 
     def _check_finish(self, seq: Sequence, token: int, now: float) -> None:
         params = seq.params
@@ -367,41 +409,14 @@ class EngineCore:
         except BaseException:
             for request_id in ids:
                 if request_id not in done:
-                    self.abort(request_id)
+                    try:
+                        self.abort(request_id)
+                    except Exception as exc:  # the first error is the one to report
+                        log.error("abort failed", request_id=request_id, error=str(exc))
             raise
         return [done[i] for i in ids]
 
     # -- helpers -------------------------------------------------------------
-
-    def _encode(self, prompt: Prompt, request_id: str) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestError(f"request {request_id}: a text prompt needs a tokenizer; pass token ids")
-            return list(self.tokenizer.encode(prompt))
-        if not isinstance(prompt, list | tuple) or not all(isinstance(t, int) for t in prompt):
-            raise RequestError(f"request {request_id}: a prompt is a string or a list of int token ids")
-        return list(prompt)
-
-    def _validate(self, token_ids: list[int], request_id: str) -> None:
-        if not token_ids:
-            raise RequestError(f"request {request_id}: the prompt is empty")
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise RequestError(
-                f"request {request_id}: token id {bad[0]} is outside the vocabulary (size {self.vocab_size})"
-            )
-        if self.max_model_len is not None and len(token_ids) >= self.max_model_len:
-            raise RequestError(
-                f"request {request_id}: the prompt has {len(token_ids)} tokens, which leaves no room in the "
-                f"model's context of {self.max_model_len} tokens"
-            )
-        blocks: BlockManager = self.scheduler.blocks
-        if blocks.blocks_for_tokens(len(token_ids)) > blocks.num_blocks:
-            raise RequestError(
-                f"request {request_id}: the prompt has {len(token_ids)} tokens but the whole KV cache holds "
-                f"{blocks.capacity_tokens} ({blocks.num_blocks} blocks of {blocks.block_size}); "
-                "raise kv_cache.num_blocks"
-            )
 
     def _text(self, seq: Sequence) -> str | None:
         if self.tokenizer is None or not seq.is_finished:

@@ -26,6 +26,8 @@ from typing import Any
 import pluggy
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from cbcore.suggest import did_you_mean, validation_problems
+
 PROJECT = "cbcore"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
@@ -131,7 +133,8 @@ class Registry:
         others = [e for e in self._entries.values() if e.name == name]
         if others:
             raise PluginError(f"{name!r} is a {others[0].kind} plugin, not a {kind} plugin")
-        raise PluginError(f"unknown {kind} plugin {name!r}; known: {', '.join(self.names(kind)) or 'none'}")
+        hint = did_you_mean(name, self.names(kind))
+        raise PluginError(f"unknown {kind} plugin {name!r}{hint}; known: {', '.join(self.names(kind)) or 'none'}")
 
     def params_for(self, kind: str, name: str, params: dict[str, Any], where: str) -> BaseModel:
         entry = self.get(kind, name)
@@ -139,12 +142,9 @@ class Registry:
         if model is None:
             raise PluginError(f"{where}: plugin {name!r} has no Params model")
         try:
-            return model.model_validate(params)
+            return model.model_validate(params, strict=True)
         except ValidationError as exc:
-            problems = "; ".join(
-                f"{where}.{'.'.join(str(p) for p in e['loc']) or name}: {e['msg']}" for e in exc.errors()
-            )
-            raise PluginError(problems) from None
+            raise PluginError("; ".join(validation_problems(exc, model, where))) from None
 
     def validate(self, kind: str, name: str, params: dict[str, Any], where: str) -> None:
         try:

@@ -43,7 +43,7 @@ def test_invalid_sampling_params(bad):
 
 
 def test_top_k_without_temperature_is_refused():
-    with pytest.raises(ValidationError, match="temperature > 0"):
+    with pytest.raises(ValidationError, match="top_k/top_p only apply when temperature >= 1e-05"):
         SamplingParams(top_k=5)
 
 

@@ -191,3 +191,53 @@ def test_ignore_eos_runs_to_the_cap_in_reference_and_baselines() -> None:
     ):
         assert [o.output_token_ids for o in run.outputs] == [r.token_ids for r in refs], run.name
         assert [o.finish_reason for o in run.outputs] == ["stop", "length"]
+
+
+BROKEN_POLICY = """
+from cbcore import QueuePolicy, hookimpl
+
+
+class Broken(QueuePolicy):
+    name = "broken-queue"
+
+    def key(self, seq, now):
+        raise RuntimeError("no order today")
+
+
+@hookimpl
+def cbcore_register_policies():
+    return [Broken]
+"""
+
+
+def test_a_failing_row_is_reported_and_the_others_run_with_per_class_results(model_dir, tmp_path, capsys) -> None:
+    (tmp_path / "broken.py").write_text(BROKEN_POLICY)
+    config = tmp_path / "broken.yaml"
+    config.write_text("plugins: [./broken.py]\nscheduler:\n  queue: {name: broken-queue}\nbackend: {name: eager}\n")
+    good = tmp_path / "good.yaml"
+    good.write_text("backend: {name: eager}\n")
+    out = tmp_path / "out.json"
+    plot = tmp_path / "out.png"
+    workload = (
+        "poisson:n=6,rate=inf,lengths=fixed,input_len=6,output_len=4,clients=a:1/b:1,"
+        "priorities=0:1/1:1,deadlines=0:0.001/1:600,seed=3"
+    )
+    rc = bench(
+        model_dir, "--workload", workload, "--config", str(config), "--config", str(good),
+        "--slo", "ttft:60000", "--json", str(out), "--plot", str(plot),
+    )
+    text = capsys.readouterr().out
+    assert rc == 1  # a row failed
+    assert "broken: FAILED: SchedulerError: queue policy 'broken-queue'" in text and "raised in key()" in text
+    rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows["broken"]) == {"name", "kind", "error"}
+    row = rows["good"]
+    assert row["completed"] == 6 and row["identical_to_reference"] is True
+    assert set(row["classes"]) == {"priority", "client_id"}
+    urgent, relaxed = row["classes"]["priority"]["0"], row["classes"]["priority"]["1"]
+    assert urgent["deadline_attainment"] == 0.0  # 1 ms deadlines cannot be met
+    assert relaxed["deadline_attainment"] == 1.0 and relaxed["slo_attainment"] == 1.0
+    assert urgent["requests"] + relaxed["requests"] == 6 and urgent["ttft_p50_s"] is not None
+    assert 0 < row["deadline_attainment"] < 1
+    assert "good  priority=0:" in text and "deadline 0% of" in text
+    assert plot.stat().st_size > 0

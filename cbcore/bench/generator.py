@@ -58,12 +58,26 @@ class GeneratorSpec(BaseModel):
     max_output: int = Field(1024, ge=1, description="Longest output kept.")
     clients: dict[str, float] = Field(default_factory=lambda: {"default": 1.0})
     priorities: dict[int, float] = Field(default_factory=lambda: {0: 1.0})
+    deadlines: dict[int, float] = Field(
+        default_factory=dict,
+        description="Mean deadline_s per priority class (e.g. 0:2/1:30); classes not named get none.",
+    )
+    deadline_spread: float = Field(
+        0.5, ge=0, lt=1, description="Each deadline is drawn uniformly in mean * [1 - spread, 1 + spread]."
+    )
     ignore_eos: bool = True
     seed: int = 0
     system_len: int = Field(0, ge=0, description="Tokens of a system prompt every prompt starts with.")
     system_prompts: int = Field(1, ge=1, description="Distinct system prompts; client i uses i mod this.")
     turns: int = Field(1, ge=1, description="Turns per conversation (closed-loop after the first).")
     think_s: float = Field(0.0, ge=0, allow_inf_nan=False, description="Pause after an answer before the next turn.")
+
+    @field_validator("deadlines")
+    @classmethod
+    def _positive_deadlines(cls, value: dict) -> dict:
+        if any(not 0 < d < math.inf for d in value.values()):
+            raise ValueError("deadlines must be positive, finite seconds")
+        return value
 
     @field_validator("clients", "priorities")
     @classmethod
@@ -97,7 +111,7 @@ def parse_spec(spec: str) -> tuple[str, GeneratorSpec]:
         if not sep or not key.strip():
             raise WorkloadError(f"workload {spec!r}: expected key=value, got {item!r}")
         key = key.strip()
-        data[key] = _weights(spec, key, value) if key in ("clients", "priorities") else value.strip()
+        data[key] = _weights(spec, key, value) if key in ("clients", "priorities", "deadlines") else value.strip()
     try:
         return kind, GeneratorSpec.model_validate(data)
     except ValidationError as exc:
@@ -151,6 +165,7 @@ def generate(spec_text: str, vocab_size: int, special_ids: Seq[int] = ()) -> Wor
     rng_tok = random.Random(f"{spec.seed}-tokens")
     rng_who = random.Random(f"{spec.seed}-clients")
     rng_sys = random.Random(f"{spec.seed}-system")
+    rng_deadline = random.Random(f"{spec.seed}-deadlines")
 
     def draw_tokens(n: int, rng: random.Random) -> list[int]:
         ids: list[int] = []
@@ -169,6 +184,9 @@ def generate(spec_text: str, vocab_size: int, special_ids: Seq[int] = ()) -> Wor
     for i, t in enumerate(times):
         client = rng_who.choices(clients, client_w)[0]
         priority = rng_who.choices(prios, prio_w)[0]
+        mean = spec.deadlines.get(priority)
+        spread = spec.deadline_spread
+        deadline = None if mean is None else mean * rng_deadline.uniform(1 - spread, 1 + spread)
         previous = None
         for turn in range(spec.turns):
             n_in = draw_length(spec, in_mean, spec.max_input, rng_len)
@@ -187,6 +205,7 @@ def generate(spec_text: str, vocab_size: int, special_ids: Seq[int] = ()) -> Wor
                     priority=priority,
                     ignore_eos=spec.ignore_eos,
                     follows=previous,
+                    deadline_s=deadline,
                 )
             )
             previous = request_id

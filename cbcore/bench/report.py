@@ -8,6 +8,7 @@ from collections.abc import Sequence as Seq
 from pathlib import Path
 from typing import Any
 
+from cbcore.bench.classes import class_lines
 from cbcore.bench.suite import BenchResult
 
 # (header, row key, scale, format): latencies are shown in milliseconds.
@@ -23,6 +24,8 @@ COLUMNS: tuple[tuple[str, str, float, str], ...] = (
     ("e2e p50", "e2e_p50_s", 1000, "{:.0f}"),
     ("e2e p99", "e2e_p99_s", 1000, "{:.0f}"),
     ("goodput", "goodput", 1, "{:.3f}"),
+    ("SLO", "slo_attainment", 100, "{:.0f}%"),
+    ("deadline", "deadline_attainment", 100, "{:.0f}%"),
     ("preempt", "preemptions", 1, "{:d}"),
     ("KV max", "kv_util_max", 100, "{:.1f}%"),
     ("prefix hit", "prefix_cache_hit_rate", 100, "{:.1f}%"),
@@ -47,7 +50,8 @@ def table(result: BenchResult) -> str:
     """A plain aligned table (latencies in ms), then the throughput ratios."""
     cols = [c for c in COLUMNS if any(r.get(c[1]) is not None for r in result.rows)]
     header = ["config", *[c[0] for c in cols]]
-    body = [[r["name"], *[_cell(r, key, scale, fmt) for _, key, scale, fmt in cols]] for r in result.rows]
+    ok = [r for r in result.rows if "error" not in r]
+    body = [[r["name"], *[_cell(r, key, scale, fmt) for _, key, scale, fmt in cols]] for r in ok]
     widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
 
     def fmt_line(cells: Seq[str]) -> str:
@@ -62,15 +66,18 @@ def table(result: BenchResult) -> str:
         fmt_line(["-" * n for n in widths]),
         *(fmt_line(b) for b in body),
     ]
+    lines.extend(f"{r['name']}: FAILED: {r['error']}" for r in result.rows if "error" in r)
     lines.extend(ratio_lines(result.rows))
     peak = w.get("process_peak_rss_mb")
     if peak is not None:
         lines.append(f"process peak RSS {peak:.0f} MB (RSS MB: each row's own peak, sampled while it ran)")
+    lines.extend(class_lines(ok))
     return "\n".join(lines)
 
 
 def ratios(rows: Seq[dict[str, Any]]) -> dict[str, float]:
     """Output tokens/s of the best cbcore row over each baseline's."""
+    rows = [r for r in rows if "error" not in r]
     ours = [r for r in rows if r["kind"] == "cbcore"]
     if not ours:
         return {}
@@ -86,7 +93,9 @@ def ratio_lines(rows: Seq[dict[str, Any]]) -> list[str]:
     found = ratios(rows)
     if not found:
         return []
-    best = max((r for r in rows if r["kind"] == "cbcore"), key=lambda r: r["output_tokens_per_s"])
+    best = max(
+        (r for r in rows if r["kind"] == "cbcore" and "error" not in r), key=lambda r: r["output_tokens_per_s"]
+    )
     return [f"{best['name']} vs {name}: {x:.2f}x output tokens/s" for name, x in found.items()]
 
 
@@ -128,7 +137,9 @@ def plot(result: BenchResult, path: str | Path) -> None:
         ("e2e", "end-to-end latency"),
         ("queue", "queue time"),
     )
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8.5))
+    ok = [r for r in result.rows if "error" not in r]
+    with_classes = any(r.get("classes") for r in ok)
+    fig, axes = plt.subplots(3 if with_classes else 2, 3, figsize=(15, 12.5 if with_classes else 8.5))
     color = {r["name"]: f"C{i % 10}" for i, r in enumerate(result.rows)}
     for ax, (key, title) in zip(axes.flat, panels, strict=False):
         seen: list[float] = []
@@ -146,14 +157,38 @@ def plot(result: BenchResult, path: str | Path) -> None:
         ax.grid(alpha=0.3)
     axes.flat[0].legend(fontsize=8)
     bar = axes.flat[5]
-    names = [r["name"] for r in result.rows]
-    values = [r["output_tokens_per_s"] for r in result.rows]
+    names = [r["name"] for r in ok]
+    values = [r["output_tokens_per_s"] for r in ok]
     bar.barh(names, values, color=[color[n] for n in names])
     bar.invert_yaxis()
     bar.set_title("output tokens/s")
     bar.set_xlabel("tokens/s")
     bar.grid(alpha=0.3, axis="x")
+    if with_classes:
+        for ax, (key, title, scale) in zip(
+            axes.flat[6:],
+            (("ttft_p50_s", "TTFT p50 (ms)", 1000), ("tpot_p50_s", "TPOT p50 (ms)", 1000),
+             ("deadline_attainment", "deadline attainment (%)", 100)),
+            strict=True,
+        ):
+            _class_bars(ax, ok, key, scale, color)
+            ax.set_title(f"per class: {title}")
     fig.suptitle(f"cb bench: {result.workload['name']} ({result.workload['num_requests']} requests)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _class_bars(ax: Any, rows: Seq[dict[str, Any]], key: str, scale: float, color: dict[str, str]) -> None:
+    """Grouped bars: one group per class (``dimension=label``), one bar per row."""
+    labels = sorted({f"{d}={c}" for r in rows for d, cs in (r.get("classes") or {}).items() for c in cs})
+    width = 0.8 / max(1, len(rows))
+    for i, row in enumerate(rows):
+        values = []
+        for label in labels:
+            dim, _, cls = label.partition("=")
+            value = (row.get("classes") or {}).get(dim, {}).get(cls, {}).get(key)
+            values.append(0.0 if value is None else value * scale)
+        ax.bar([j + i * width for j in range(len(labels))], values, width, label=row["name"], color=color[row["name"]])
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(labels))], labels, rotation=30, ha="right", fontsize=8)
+    ax.grid(alpha=0.3, axis="y")

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from cbcore.bench.baselines import BASELINES, run_hf_generate_batch, run_hf_static
+from cbcore.bench.classes import deadline_stats, per_class
 from cbcore.bench.driver import ProgressFactory, RunResult, no_progress, run_engine, warm_up
 from cbcore.bench.http_driver import run_http
 from cbcore.bench.memory import PeakRSS, process_peak_rss_bytes
@@ -154,20 +155,39 @@ def run_suite(
         runners[name] = partial(baseline, model, workload, token_ids, progress=progress, **limits)
     # Repetitions are interleaved (all rows, then all rows again) so that a change in machine
     # load during the benchmark hits every row alike; each row keeps its median run.
+    # A row that fails is reported with its error; every other row still runs.
     runs: dict[str, list[RunResult]] = {name: [] for name in runners}
+    errors: dict[str, str] = {}
     for _ in range(repeat):
         for name, runner in runners.items():
-            with PeakRSS() as rss:
-                run = runner()
+            if name in errors:
+                continue
+            try:
+                with PeakRSS() as rss:
+                    run = runner()
+            except Exception as exc:
+                errors[name] = one_line(exc)
+                log.error("benchmark row failed", row=name, error=errors[name])
+                gc.collect()
+                continue
             run.info["rss_peak_mb"] = None if rss.peak_bytes is None else rss.peak_bytes / 2**20
             runs[name].append(run)
     rows = []
     samples = {}
     for name, tries in runs.items():
+        if name in errors:
+            kind = "baseline" if name in baselines else "cbcore"
+            rows.append({"name": name, "kind": kind, "error": errors[name]})
+            continue
         rows.append(summarize_runs(model, workload, tries, refs, slo))
         samples[name] = latency_samples(_median_run(tries).outputs)
     described = {**workload.describe(), "process_peak_rss_mb": process_peak_rss_bytes() / 2**20}
     return BenchResult(workload=described, rows=rows, samples=samples)
+
+
+def one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
 def _run_config(
@@ -212,6 +232,8 @@ def summarize_runs(
         run.name, workload.requests, run.outputs, run.duration_s, steps=run.steps, busy_s=run.busy_s, slo=slo
     )
     row = {"name": run.name, "kind": run.kind, **run.info, **row}
+    row.update(deadline_stats(workload.requests, run.outputs))
+    row["classes"] = per_class(workload.requests, run.outputs, slo)
     if len(tries) > 1:
         row["repeats"] = len(tries)
         row["duration_s_all"] = [t.duration_s for t in tries]

@@ -201,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
         report.write_csv(result, args.csv)
     if args.plot:
         report.plot(result, args.plot)
-    return 0
+    return 1 if any("error" in row for row in result.rows) else 0
 
 
 def start_servers(

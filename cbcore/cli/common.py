@@ -53,6 +53,7 @@ def scheduler_from_mix(mix: str, plugins: tuple[str, ...] = ()) -> dict[str, Any
     are an error.
     """
     from cbcore.plugins import PluginError, get_registry
+    from cbcore.suggest import did_you_mean
 
     registry = get_registry(plugins)
     section: dict[str, Any] = {}
@@ -63,7 +64,8 @@ def scheduler_from_mix(mix: str, plugins: tuple[str, ...] = ()) -> dict[str, Any
         kinds = [e.kind for e in registry.entries() if e.name == name and e.kind != "backend"]
         if not kinds:
             known = sorted({e.name for e in registry.entries() if e.kind != "backend"} | set(POLICY_ALIASES))
-            raise PluginError(f"--policy {mix!r}: unknown policy {name!r}; known: {', '.join(known)}")
+            hint = did_you_mean(name, known)
+            raise PluginError(f"--policy {mix!r}: unknown policy {name!r}{hint}; known: {', '.join(known)}")
         kind = kinds[0]
         if kind == "scheduler":
             if section:

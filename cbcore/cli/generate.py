@@ -20,7 +20,8 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
         help="generate text for prompts given as arguments or in a JSONL file",
         description="Generate text for prompts (arguments, or --input FILE.jsonl with one object per "
         "line: prompt or messages, optional max_new_tokens, temperature, top_k, top_p, seed, "
-        "priority, client_id, deadline_s, attrs, id). Results are JSONL, in input order.",
+        "priority, client_id, deadline_s, attrs, id). Results are JSONL, one line written and flushed "
+        "as each request finishes (so an interrupt keeps every finished result); 'id' names the request.",
     )
     parser.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt text (repeatable)")
     parser.add_argument("--input", "-i", metavar="FILE", help="JSONL file of requests")
@@ -75,13 +76,12 @@ def run(args: argparse.Namespace) -> int:
             report(problem)
             continue
         accepted.append(job)
-    results = drive(engine, accepted, tokenizer, args)
-    lines = [json.dumps(result_record(results[job.request_id]), ensure_ascii=False) for job in accepted]
-    if out is not None:
-        with out:
-            out.writelines(line + "\n" for line in lines)
-    elif not args.stream:
-        sys.stdout.writelines(line + "\n" for line in lines)
+    sink = out if out is not None else (None if args.stream else sys.stdout)
+    try:
+        results = drive(engine, accepted, tokenizer, args, sink)
+    finally:
+        if out is not None:
+            out.close()
     failed = [r for r in results.values() if r.error is not None]
     for r in failed:
         report(BadInput(f"request {r.request_id}", r.error or "failed"))
@@ -110,7 +110,7 @@ def collect_jobs(args: argparse.Namespace, defaults: dict[str, Any]) -> tuple[li
 
 
 def open_output(path: str | None) -> TextIO | None:
-    """Opened before the model loads, so a bad path fails in a second, not after the run."""
+    """Opened before the model loads, so an unwritable path fails in a second, not after the run."""
     if path is None:
         return None
     try:
@@ -119,8 +119,10 @@ def open_output(path: str | None) -> TextIO | None:
         raise CLIError(f"cannot write --output {path}: {exc.strerror}") from None
 
 
-def drive(engine: Any, jobs: list[Job], tokenizer: Any, args: argparse.Namespace) -> dict[str, RequestOutput]:
-    """Step the engine to completion, streaming and counting as outputs arrive."""
+def drive(
+    engine: Any, jobs: list[Job], tokenizer: Any, args: argparse.Namespace, sink: TextIO | None
+) -> dict[str, RequestOutput]:
+    """Step the engine to completion, streaming, counting and writing each result to ``sink`` as it ends."""
     from tqdm import tqdm
 
     stream = None
@@ -140,6 +142,9 @@ def drive(engine: Any, jobs: list[Job], tokenizer: Any, args: argparse.Namespace
                 stream.update(output.request_id, output.new_token_ids, output.finished)
             if output.finished:
                 results[output.request_id] = output
+                if sink is not None:
+                    sink.write(json.dumps(result_record(output), ensure_ascii=False) + "\n")
+                    sink.flush()
                 bar.update(1)
                 bar.set_postfix(tokens=tokens, refresh=False)
     bar.close()

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from cbcore.cli.main import CLIError
 from cbcore.scheduling.request_fields import FieldError, freeze_attrs
 from cbcore.scheduling.sampling_params import SamplingParams
+from cbcore.suggest import validation_problems
 
 SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")
 
@@ -96,13 +97,9 @@ def make_job(where: str, default_id: str, data: Any, defaults: dict[str, Any]) -
 
 
 def describe(exc: ValidationError) -> str:
-    """``field: message`` per problem, on one line."""
-    parts = []
-    for err in exc.errors():
-        msg = err["msg"].removeprefix("Value error, ")
-        loc = ".".join(str(p) for p in err["loc"])
-        parts.append(f"{loc}: {msg}" if loc else msg)
-    return "; ".join(parts)
+    """``field: message`` per problem, on one line (an unknown field gets the closest known one)."""
+    model = RequestRecord if exc.title == "RequestRecord" else SamplingParams
+    return "; ".join(validation_problems(exc, model))
 
 
 def read_jobs(path: str, defaults: dict[str, Any]) -> tuple[list[Job], list[BadInput]]:

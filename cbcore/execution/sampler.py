@@ -51,3 +51,32 @@ def _sample_row(
         # Generators are CPU-side so a request's stream is device-independent.
         probs = probs.cpu()
     return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def sample_each(
+    logits: torch.Tensor, rows: list[RowPlan], rng_states: list[tuple[torch.Generator, torch.Tensor]]
+) -> tuple[list[int], list[dict[int, float] | None], list[str | None]]:
+    """:func:`sample`, except that a row whose sampling fails fails alone: its error is returned.
+
+    The batch is sampled at once; only when that raises is each row sampled on
+    its own, after putting back the generators' states (``rng_states``, taken
+    before the call), so each request's draws are the ones it would get alone.
+    """
+    try:
+        tokens, top = sample(logits, rows)
+        return tokens, top, [None] * len(rows)
+    except Exception:
+        for generator, state in rng_states:
+            generator.set_state(state)
+    tokens, top, errors = [], [], []
+    for i, row in enumerate(rows):
+        try:
+            (token,), (entry,) = sample(logits[i : i + 1], [row])
+        except Exception as exc:
+            token, entry = -1, None
+            errors.append(f"sampling failed: {type(exc).__name__}: {exc}")
+        else:
+            errors.append(None)
+        tokens.append(token)
+        top.append(entry)
+    return tokens, top, errors

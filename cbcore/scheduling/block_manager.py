@@ -284,6 +284,48 @@ class BlockManager:
         """Forget a swapped sequence's host copy (it was aborted or failed)."""
         self._free_host.extend(self._host_tables.pop(seq.request_id, []))
 
+    # -- undo ----------------------------------------------------------------
+
+    def undo_point(self) -> tuple[dict[str, list[int]], int, int]:
+        """What :meth:`reset_to` needs besides the sequences: host tables (their lists are never
+        mutated, only replaced) and the lookup counters. O(swapped sequences)."""
+        return dict(self._host_tables), self.prefix_cache_queries_tokens, self.prefix_cache_hits_tokens
+
+    def reset_to(self, live: list[Sequence], point: tuple[dict[str, list[int]], int, int]) -> None:
+        """Rebuild the books from ``live`` sequences' block tables and an :meth:`undo_point`.
+
+        Used to undo a failed step: reference counts are recounted from the
+        tables, every block nobody references is free (or evictable if it still
+        holds a registered prefix, whose KV is intact), so nothing has to be
+        recorded per block while the step runs. A cached block the failed step
+        evicted stays forgotten: the cache loses an entry, never correctness.
+        """
+        host_tables, queries, hits = point
+        ref = [0] * self.num_blocks
+        hashed = self._hash_of
+        for seq in live:
+            for block in seq.block_table:
+                ref[block] += 1
+            for block in seq.block_table[seq.num_computed_tokens // self.block_size :]:
+                if hashed[block] is not None:  # registered by the failed step, past what now counts as computed
+                    del self._by_hash[hashed[block]]
+                    hashed[block] = None
+        self._ref = ref
+        evictable: OrderedDict[int, None] = OrderedDict((b, None) for b in self._evictable if not ref[b])
+        for block in range(self.num_blocks):
+            if not ref[block] and hashed[block] is not None and block not in evictable:
+                evictable[block] = None  # taken from the cache by the failed step: most recently used
+        self._evictable = evictable
+        self._free = [b for b in range(self.num_blocks - 1, -1, -1) if not ref[b] and hashed[b] is None]
+        held = set(live)
+        self._registered = {
+            s: min(n, s.num_computed_tokens // self.block_size) for s, n in self._registered.items() if s in held
+        }
+        self._host_tables = dict(host_tables)
+        used = {h for table in host_tables.values() for h in table}
+        self._free_host = [h for h in range(self.num_host_blocks - 1, -1, -1) if h not in used]
+        self.prefix_cache_queries_tokens, self.prefix_cache_hits_tokens = queries, hits
+
     # -- invariants ----------------------------------------------------------
 
     def check(self, live: list[Sequence]) -> None:

@@ -13,6 +13,8 @@ from cbcore.log import get_logger
 from cbcore.scheduling.plan_builder import PlanBuilder
 from cbcore.scheduling.sequence import FinishReason, Sequence, SequenceStatus
 
+_NO_KEY = object()
+
 if TYPE_CHECKING:
     from cbcore.scheduling.policy_scheduler import PolicyScheduler
 
@@ -37,10 +39,11 @@ class Eviction:
 
     def _choose_victim(self: PolicyScheduler, candidates: list[Sequence], now: float) -> Sequence:
         victim = self.preemption.choose_victim(candidates, self.queue, now)
-        if victim not in candidates:
-            raise RuntimeError(
-                f"preemption policy {self.preemption.name!r} chose {getattr(victim, 'request_id', victim)!r}, "
-                "which is not among the candidates"
+        if not any(victim is c for c in candidates):
+            self._policy_error(
+                self.preemption,
+                "choose_victim() returns one of the candidates",
+                f"it chose {getattr(victim, 'request_id', victim)!r}, which is not among the candidates",
             )
         return victim  # type: ignore[return-value]
 
@@ -98,6 +101,8 @@ class Eviction:
 
     def _forget(self: PolicyScheduler, seq: Sequence, now: float) -> None:
         self._by_id.pop(seq.request_id, None)
-        self._keys.pop(seq, None)
+        key = self._keys.pop(seq, _NO_KEY)
+        if self._forgotten is not None:  # a step is under way: remember, to undo it if it fails
+            self._forgotten.append((seq, key))
         for policy in self.policies:
             policy.on_finish(seq, now)

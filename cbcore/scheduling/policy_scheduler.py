@@ -30,22 +30,29 @@ import bisect
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from typing import Any
+from typing import Any, NoReturn
 
+from cbcore.log import get_logger
 from cbcore.scheduling.admission import Admission
+from cbcore.scheduling.blame import describe
 from cbcore.scheduling.block_manager import BlockManager
-from cbcore.scheduling.eviction import Eviction
+from cbcore.scheduling.eviction import _NO_KEY, Eviction
 from cbcore.scheduling.plan_builder import OrderedOnDemand, PlanBuilder, check_swap_order
 from cbcore.scheduling.policy import (
     BudgetPolicy,
+    Policy,
     PreemptionPolicy,
     PrefillPolicy,
     QueuePolicy,
     SchedulerState,
+    StepLimits,
     StepResult,
 )
-from cbcore.scheduling.scheduler import SchedulerOutput, SchedulerStall
+from cbcore.scheduling.rollback import SeqUndo
+from cbcore.scheduling.scheduler import SchedulerError, SchedulerOutput, SchedulerStall
 from cbcore.scheduling.sequence import FinishReason, Sequence, SequenceStatus
+
+log = get_logger(__name__)
 
 
 class PolicyScheduler(Admission, Eviction):
@@ -75,6 +82,17 @@ class PolicyScheduler(Admission, Eviction):
         self.num_preemptions = 0
         self.num_swap_fallbacks = 0
         self.num_partial_prefills = 0  # scheduled prefill chunks shorter than what was pending
+        self._forgotten: list[tuple[Sequence, Any]] | None = None  # (seq, stored key) forgotten this step
+        self.names: dict[int, str] = {id(p): describe(p) for p in self.policies}  # the engine adds origins
+        for policy, expected in ((queue, QueuePolicy), (budget, BudgetPolicy), (prefill, PrefillPolicy), (preemption, PreemptionPolicy)):
+            if not isinstance(policy, expected):
+                raise TypeError(f"{self.names[id(policy)]} is not a {expected.__name__}")
+        if preemption.mode not in ("recompute", "swap"):
+            raise ValueError(f"{self.names[id(preemption)]}: mode must be 'recompute' or 'swap', got {preemption.mode!r}")
+        if prefill.order not in ("decode-first", "prefill-first"):
+            raise ValueError(
+                f"{self.names[id(prefill)]}: order must be 'decode-first' or 'prefill-first', got {prefill.order!r}"
+            )
 
     @property
     def policies(self) -> tuple[QueuePolicy, BudgetPolicy, PrefillPolicy, PreemptionPolicy]:
@@ -83,15 +101,29 @@ class PolicyScheduler(Admission, Eviction):
     # -- protocol ------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
+        """Register ``seq``; if a policy raises, nothing of it stays registered (then re-raise)."""
         if seq.request_id in self._by_id:
             raise ValueError(f"request id {seq.request_id!r} is already in the scheduler")
-        self._by_id[seq.request_id] = seq
         now = self.clock()
-        for policy in self.policies:
-            policy.on_arrival(seq, now)
-        if self.queue.fixed_keys:
-            self._keys[seq] = self.queue.key(seq, now)
-        self._enqueue(seq)
+        told: list[Policy] = []
+        try:
+            for policy in self.policies:
+                told.append(policy)
+                policy.on_arrival(seq, now)
+            if self.queue.fixed_keys:
+                self._keys[seq] = self.queue.key(seq, now)
+            self._enqueue(seq)  # sorting by a key that does not compare raises here, not in a later step
+        except Exception:
+            self._keys.pop(seq, None)
+            if seq in self.waiting:
+                self.waiting.remove(seq)
+            for policy in told:  # they saw an arrival that did not happen
+                try:
+                    policy.on_finish(seq, now)
+                except Exception:  # the first error is the one to report
+                    log.warning("on_finish raised while undoing an arrival", policy=policy.name)
+            raise
+        self._by_id[seq.request_id] = seq
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -102,7 +134,21 @@ class PolicyScheduler(Admission, Eviction):
     def in_queue_order(self, seqs: Seq[Sequence], now: float) -> list[Sequence]:
         if self.queue.fixed_keys:
             return sorted(seqs, key=self._keys.__getitem__)
-        return self.queue.order(seqs, now)  # type: ignore[return-value]
+        ordered = self.queue.order(seqs, now)
+        if not isinstance(ordered, list | tuple) or len(ordered) != len(seqs) or set(ordered) != set(seqs):
+            self._policy_error(
+                self.queue, "order() returns each given sequence exactly once", _not_a_permutation(ordered, seqs)
+            )
+        return ordered  # type: ignore[return-value]
+
+    def _policy_error(self, policy: Policy, rule: str, detail: str, seq: Sequence | None = None) -> NoReturn:
+        culprit = self.names[id(policy)]
+        raise SchedulerError(
+            f"{culprit} broke the rule '{rule}': {detail}",
+            plugin=culprit,
+            rule=rule,
+            request_id=None if seq is None else seq.request_id,
+        )
 
     def _enqueue(self, seq: Sequence) -> None:
         """Into the waiting queue; kept sorted when keys are fixed, so a step need not sort it."""
@@ -134,14 +180,22 @@ class PolicyScheduler(Admission, Eviction):
         if self.blocks.prefix_caching and self.queue.reads_cached_prefix(len(self.waiting)):
             for seq in self.waiting:  # a cache-aware order needs fresh num_cached_prompt_tokens
                 self.blocks.lookup(seq)
-        return list(self.queue.order(self.waiting, now))  # type: ignore[arg-type]
+        return list(self.in_queue_order(self.waiting, now))
 
     def schedule(self) -> SchedulerOutput:
         now = self.clock()
         self.step_index += 1
         state = self.state(now)
         limits = self.budget.limits(state)
-        plan = PlanBuilder(SchedulerOutput(), limits.max_num_tokens, limits.max_num_seqs)
+        if not (
+            isinstance(limits, StepLimits)
+            and type(limits.max_num_seqs) is int
+            and type(limits.max_num_tokens) is int
+            and limits.max_num_seqs >= 1
+            and limits.max_num_tokens >= 1
+        ):
+            self._policy_error(self.budget, "limits() returns StepLimits of two ints >= 1", f"got {limits!r}")
+        plan = PlanBuilder(SchedulerOutput(limits=limits), limits.max_num_tokens, limits.max_num_seqs)
         self.prefill.begin_step()
         if self.prefill.order == "decode-first":
             phases = (self._schedule_running, self._schedule_swapped, self._schedule_waiting)
@@ -153,12 +207,33 @@ class PolicyScheduler(Admission, Eviction):
         self.num_partial_prefills += len(plan.partials)
         check_swap_order(out)
         if out.is_empty and not out.failed and not out.preempted and self.has_unfinished():
+            culprit = ", ".join(self.names[id(p)] for p in self.policies)
             raise SchedulerStall(
                 f"step {self.step_index}: nothing scheduled with {len(self.waiting)} waiting, "
                 f"{len(self.running)} running, {len(self.swapped)} swapped; limits {limits}, "
-                f"policies {[p.name for p in self.policies]}"
+                f"policies {culprit}",
+                plugin=culprit,
+                rule="a step computes tokens while work waits",
             )
         return out
+
+    def snapshot(self) -> Callable[[], None]:
+        """Capture what a step may change; the returned function puts it back (see rollback.py)."""
+        waiting, running, swapped = list(self.waiting), list(self.running), list(self.swapped)
+        undo = SeqUndo(running + swapped, waiting, self.blocks, self.clock())
+        counters = (self.step_index, self.num_preemptions, self.num_swap_fallbacks, self.num_partial_prefills)
+        forgotten = self._forgotten = []
+
+        def restore() -> None:
+            self.waiting, self.running, self.swapped = waiting, running, swapped
+            undo.restore(self.blocks)
+            self._by_id = {s.request_id: s for s in (*waiting, *running, *swapped)}
+            for seq, key in forgotten:
+                if key is not _NO_KEY:
+                    self._keys[seq] = key
+            self.step_index, self.num_preemptions, self.num_swap_fallbacks, self.num_partial_prefills = counters
+
+        return restore
 
     def on_step_end(self, output: SchedulerOutput, results: Seq[StepResult]) -> None:
         if self.blocks.prefix_caching:  # KV written this step becomes findable (finished ones' too)
@@ -189,10 +264,20 @@ class PolicyScheduler(Admission, Eviction):
     # -- phases --------------------------------------------------------------
 
     def _tokens_for(self, seq: Sequence, plan: PlanBuilder) -> int:
-        if seq.num_pending_tokens == 1:
+        pending = seq.num_pending_tokens
+        if pending == 1:
             return 1
         n = self.prefill.num_tokens(seq, plan.tokens_left, plan.empty)
-        return max(0, min(n, seq.num_pending_tokens))
+        if type(n) is not int or n < 0:
+            self._policy_error(self.prefill, "num_tokens() returns an int >= 0", f"got {n!r}", seq)
+        if n > plan.tokens_left and not plan.empty:
+            self._policy_error(
+                self.prefill,
+                "num_tokens() stays within tokens_left (only a prompt alone in a step may exceed it)",
+                f"{n} tokens for {seq.request_id!r} with {plan.tokens_left} left",
+                seq,
+            )
+        return min(n, pending)  # more than is pending: all of it (documented)
 
     def _schedule_running(self, plan: PlanBuilder, state: SchedulerState, max_seqs: int) -> None:
         order = [s for s in self.in_queue_order(self.running, state.now) if s not in plan.tokens]
@@ -245,3 +330,15 @@ class PolicyScheduler(Admission, Eviction):
             self.running.append(seq)
             self.blocks.grow(seq, n)
             plan.add(seq, n)
+
+
+def _not_a_permutation(ordered: object, given: Seq[Sequence]) -> str:
+    if not isinstance(ordered, list | tuple):
+        return f"got {type(ordered).__name__}"
+    twice = [s for s in set(ordered) if ordered.count(s) > 1]
+    if twice:
+        return f"{getattr(twice[0], 'request_id', twice[0])!r} appears {ordered.count(twice[0])} times"
+    extra = [s for s in ordered if s not in set(given)]
+    if extra:
+        return f"{getattr(extra[0], 'request_id', extra[0])!r} was not given"
+    return f"{len(ordered)} sequences back for {len(given)} given"

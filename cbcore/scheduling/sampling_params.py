@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+
+#: Temperatures below this are greedy: dividing logits by a smaller number
+#: overflows float32 (1e-38 turns every logit into inf), and at this scale
+#: sampling already picks the argmax whenever the top two logits differ by
+#: more than ~1e-3.
+GREEDY_BELOW = 1e-5
+MAX_TEMPERATURE = 100.0
 
 
 class SamplingParams(BaseModel):
@@ -12,14 +19,23 @@ class SamplingParams(BaseModel):
     ``seed``), so what it generates never depends on what else shares the batch.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Strict: "5" is not 5 and True is not 1.0 (ints are accepted where floats are asked).
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     max_new_tokens: int = Field(16, ge=1, description="Upper bound on generated tokens.")
-    temperature: float = Field(0.0, ge=0.0, description="0 means greedy (argmax).")
+    temperature: float = Field(
+        0.0,
+        ge=0.0,
+        le=MAX_TEMPERATURE,
+        allow_inf_nan=False,
+        description=f"0 means greedy (argmax); so does any value below {GREEDY_BELOW}.",
+    )
     top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 disables.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass; 1.0 disables.")
-    seed: int | None = Field(None, description="Seed of this request's own generator.")
-    stop_token_ids: tuple[int, ...] = Field((), description="Extra token ids that end the request.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False, description="Nucleus sampling mass; 1.0 disables.")
+    seed: int | None = Field(None, ge=0, lt=2**64, description="Seed of this request's own generator, in [0, 2**64).")
+    stop_token_ids: tuple[StrictInt, ...] = Field(
+        (), strict=False, description="Extra token ids that end the request (checked against the vocabulary)."
+    )
     ignore_eos: bool = Field(False, description="Keep generating past the model's EOS token.")
     logprobs: int | None = Field(
         None, ge=0, le=20, description="Return this many top log-probabilities per generated token."
@@ -27,11 +43,15 @@ class SamplingParams(BaseModel):
 
     @model_validator(mode="after")
     def _check_sampling(self) -> SamplingParams:
-        if self.temperature == 0.0 and (self.top_k or self.top_p < 1.0):
+        if self.greedy and (self.top_k or self.top_p < 1.0):
             # Silently ignoring them would hide a misconfiguration.
-            raise ValueError("top_k/top_p only apply when temperature > 0 (temperature=0 is greedy)")
+            raise ValueError(
+                f"top_k/top_p only apply when temperature >= {GREEDY_BELOW} (below it decoding is greedy)"
+            )
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids holds a negative id")
         return self
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW

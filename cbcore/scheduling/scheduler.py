@@ -8,8 +8,7 @@ from typing import ClassVar, Protocol, runtime_checkable
 
 from cbcore.plugins import NoParams
 from cbcore.scheduling.block_manager import BlockManager
-from cbcore.scheduling.plan import RowPlan, StepPlan
-from cbcore.scheduling.policy import StepResult
+from cbcore.scheduling.policy import StepLimits, StepResult
 from cbcore.scheduling.sequence import Sequence
 
 
@@ -35,6 +34,7 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
     failed: list[Sequence] = field(default_factory=list)  # finished with an error by the scheduler
+    limits: StepLimits | None = None  # the step's budget, checked by the engine when set
 
     @property
     def num_tokens(self) -> int:
@@ -51,24 +51,6 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
-
-    def to_plan(self) -> StepPlan:
-        """The plain-data plan the runner and sampler execute."""
-        rows = []
-        for item in self.scheduled:
-            seq, n = item.seq, item.num_tokens
-            start = seq.num_computed_tokens
-            samples = start + n == seq.num_tokens
-            rows.append(
-                RowPlan(
-                    seq.token_ids[start : start + n],
-                    start,
-                    seq.block_table,
-                    seq.params if samples else None,
-                    seq.generator if samples else None,
-                )
-            )
-        return StepPlan(rows, self.swap_out, self.swap_in)
 
 
 @runtime_checkable

@@ -14,6 +14,7 @@ from typing import Any
 
 from cbcore.config import EngineConfig
 from cbcore.engine_core import EngineCore, Sampled, build_scheduler
+from cbcore.scheduling.plan import StepPlan
 from cbcore.scheduling.scheduler import SchedulerOutput
 from cbcore.sim.profile import Profile
 from cbcore.sim.shape import StepShape
@@ -49,7 +50,7 @@ class SimExecutor:
         self.block_size = block_size
         self.busy_s = 0.0
 
-    def prepare(self, out: SchedulerOutput) -> StepShape:
+    def prepare(self, out: SchedulerOutput, plan: StepPlan) -> StepShape:
         return StepShape.of(out)
 
     def batch_of(self, shape: StepShape) -> None:

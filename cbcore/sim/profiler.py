@@ -26,6 +26,7 @@ from cbcore.config import EngineConfig
 from cbcore.engine import Engine
 from cbcore.engine_core import Executor, Sampled, StepRecord
 from cbcore.log import get_logger
+from cbcore.scheduling.plan import StepPlan
 from cbcore.scheduling.sampling_params import SamplingParams
 from cbcore.scheduling.scheduler import SchedulerOutput
 from cbcore.sim.fitted import fit_cost
@@ -80,9 +81,9 @@ class _Recording:
         self.inner = inner
         self.shapes: list[StepShape] = []
 
-    def prepare(self, out: SchedulerOutput) -> Any:
+    def prepare(self, out: SchedulerOutput, plan: StepPlan) -> Any:
         self.shapes.append(StepShape.of(out))
-        return self.inner.prepare(out)
+        return self.inner.prepare(out, plan)
 
     def batch_of(self, prepared: Any) -> Any:
         return self.inner.batch_of(prepared)

@@ -19,8 +19,11 @@ import pytest
 
 from cbcore.plugins import get_registry
 from cbcore.scheduling.block_manager import BlockManager
+from cbcore.scheduling.plan import RowPlan, StepPlan
+from cbcore.scheduling.plan_check import checked_plan
 from cbcore.scheduling.policy_scheduler import PolicyScheduler
 from cbcore.scheduling.sampling_params import SamplingParams
+from cbcore.scheduling.scheduler import SchedulerOutput
 from cbcore.scheduling.sequence import Sequence, SequenceStatus
 
 NUM_WAITING = 1000
@@ -101,3 +104,42 @@ def test_schedule_cost(benchmark, kind: str, name: str, memory: str) -> None:
     else:
         assert out.preempted and decodes + len(out.preempted) == NUM_RUNNING
         assert out.swap_out if name == "swap" else not out.swap_out
+
+
+def _unchecked_plan(out: SchedulerOutput) -> StepPlan:
+    """The plan built without the engine's checks: what the check's cost is measured against."""
+    rows = []
+    for item in out.scheduled:
+        seq, n = item.seq, item.num_tokens
+        start = seq.num_computed_tokens
+        samples = start + n == seq.num_tokens
+        rows.append(
+            RowPlan(
+                seq.token_ids[start : start + n],
+                start,
+                seq.block_table,
+                seq.params if samples else None,
+                seq.generator if samples else None,
+            )
+        )
+    return StepPlan(rows, out.swap_out, out.swap_in)
+
+
+@pytest.mark.parametrize("checked", [True, False], ids=["checked", "unchecked"])
+def test_plan_check_cost(benchmark, checked: bool) -> None:
+    """The engine's plan check, fused with building the plan, at 256 running + admissions.
+
+    Its cost is ``checked - unchecked``, to be read against ``test_schedule_cost``
+    (defaults) from the same run.
+    """
+    sched = make_scheduler("queue", "fcfs", "roomy")
+    out = sched.schedule()
+    blocks = sched.blocks
+    if checked:
+        plan, tokens, _ = benchmark(
+            checked_plan, out, blocks.block_size, blocks.num_blocks, blocks.num_host_blocks, "bench"
+        )
+        assert tokens == out.num_tokens
+    else:
+        plan = benchmark(_unchecked_plan, out)
+    assert len(plan.rows) == len(out.scheduled) > NUM_RUNNING

@@ -1,0 +1,117 @@
+"""Results per class of request: per priority, per client, per attribute the workload sets.
+
+A policy that favours one class is judged by what each class got, not by the
+average. A dimension is reported when the workload holds more than one value
+of it (one priority everywhere says nothing). Per class: requests, completed,
+TTFT and TPOT percentiles, SLO attainment (when SLOs are given) and deadline
+attainment (the share of requests with a ``deadline_s`` that finished within
+it; a request that failed missed it).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from cbcore.bench.metrics import SLO, completed, percentile
+from cbcore.bench.workload import BenchRequest
+from cbcore.outputs import RequestOutput
+
+
+def class_keys(requests: Seq[BenchRequest]) -> dict[str, list[str]]:
+    """Per dimension (``priority``, ``client_id``, ``attrs.NAME``), each request's class label."""
+    dims: dict[str, list[str]] = {
+        "priority": [str(r.priority) for r in requests],
+        "client_id": [r.client_id for r in requests],
+    }
+    names = sorted({k for r in requests for k in r.attrs})
+    for name in names:
+        dims[f"attrs.{name}"] = [_label(r.attrs.get(name)) for r in requests]
+    return {dim: labels for dim, labels in dims.items() if len(set(labels)) > 1}
+
+
+def _label(value: Any) -> str:
+    if value is None:
+        return "-"
+    return value if isinstance(value, str) else json.dumps(value, default=list)
+
+
+def met_deadline(req: BenchRequest, out: RequestOutput) -> bool | None:
+    """None when the request has no deadline."""
+    if req.deadline_s is None:
+        return None
+    e2e = out.metrics.e2e if out.metrics is not None else None
+    return completed(out) and e2e is not None and e2e <= req.deadline_s
+
+
+def class_stats(requests: Seq[BenchRequest], outputs: Seq[RequestOutput], slo: SLO | None) -> dict[str, Any]:
+    """Stats of one group of requests."""
+    done = [o for o in outputs if completed(o)]
+    ttft = [o.metrics.ttft for o in done if o.metrics.ttft is not None]
+    tpot = [o.metrics.tpot for o in done if o.metrics.tpot is not None]
+    stats: dict[str, Any] = {"requests": len(outputs), "completed": len(done)}
+    for name, values in (("ttft", ttft), ("tpot", tpot)):
+        for q in (50, 90, 99):
+            stats[f"{name}_p{q}_s"] = percentile(values, q)
+    if slo is not None:
+        stats["slo_attainment"] = sum(slo.met(o.metrics) for o in done) / len(outputs) if outputs else None
+    stats.update(deadline_stats(requests, outputs))
+    return stats
+
+
+def deadline_stats(requests: Seq[BenchRequest], outputs: Seq[RequestOutput]) -> dict[str, Any]:
+    met = [m for m in map(met_deadline, requests, outputs) if m is not None]
+    if not met:
+        return {}
+    return {"with_deadline": len(met), "deadline_attainment": sum(met) / len(met)}
+
+
+def per_class(
+    requests: Seq[BenchRequest], outputs: Seq[RequestOutput], slo: SLO | None
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """``{dimension: {class label: stats}}`` for every dimension the workload varies."""
+    result: dict[str, dict[str, dict[str, Any]]] = {}
+    for dim, labels in class_keys(requests).items():
+        groups: dict[str, list[int]] = {}
+        for i, label in enumerate(labels):
+            groups.setdefault(label, []).append(i)
+        result[dim] = {
+            label: class_stats([requests[i] for i in idx], [outputs[i] for i in idx], slo)
+            for label, idx in sorted(groups.items(), key=lambda kv: _sort_key(kv[0]))
+        }
+    return result
+
+
+def _sort_key(label: str) -> tuple[int, float, str]:
+    try:
+        return (0, float(label), label)
+    except ValueError:
+        return (1, 0.0, label)
+
+
+def class_lines(rows: Seq[dict[str, Any]]) -> list[str]:
+    """The per-class part of the terminal table: one line per row, dimension and class."""
+    lines: list[str] = []
+    for row in rows:
+        for dim, classes in (row.get("classes") or {}).items():
+            if not lines:
+                lines.append("per class (ms; SLO and deadline: share of the class's requests that met them)")
+            for label, s in classes.items():
+                parts = [
+                    f"{row['name']}  {dim}={label}:",
+                    f"n={s['requests']}",
+                    f"done={s['completed']}",
+                    f"TTFT p50/p99 {_ms(s['ttft_p50_s'])}/{_ms(s['ttft_p99_s'])}",
+                    f"TPOT p50/p99 {_ms(s['tpot_p50_s'])}/{_ms(s['tpot_p99_s'])}",
+                ]
+                if s.get("slo_attainment") is not None:
+                    parts.append(f"SLO {100 * s['slo_attainment']:.0f}%")
+                if s.get("deadline_attainment") is not None:
+                    parts.append(f"deadline {100 * s['deadline_attainment']:.0f}% of {s['with_deadline']}")
+                lines.append("  ".join(parts))
+    return lines
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{1000 * value:.0f}"

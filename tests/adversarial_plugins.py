@@ -1,0 +1,185 @@
+"""Plugins that misbehave on cue, for the adversarial property test (loaded by file path).
+
+Each reads ``self.faults`` (a :class:`Faults`, set by the test after the
+engine is built) and misbehaves once, at the step and in the way it says.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from cbcore.policies import FCFS, ChunkedPrefill, Recompute, Swap, TokenBudget
+from cbcore.scheduling.scheduler import ScheduledSeq, SchedulerOutput, SchedulerPlugin
+from cbcore.scheduling.sequence import SequenceStatus
+
+
+class Faults:
+    """At most one fault: (target, step, kind); ``fire`` answers once, at that step."""
+
+    def __init__(self, target: str, step: int, kind: str) -> None:
+        self.target, self.at, self.kind = target, step, kind
+        self.step = 0
+        self.fired = False
+        self.enabled = True
+
+    def fire(self, target: str) -> str | None:
+        if self.enabled and not self.fired and target == self.target and self.step >= self.at:
+            self.fired = True
+            return self.kind
+        return None
+
+
+def _fire(policy, target):
+    plan = getattr(policy, "faults", None)
+    return plan.fire(target) if plan is not None else None
+
+
+class FaultyQueue(FCFS):
+    name = "faulty-queue"
+    fixed_keys = False
+    preempts_running = True
+
+    def order(self, seqs, now):
+        ordered = super().order(seqs, now)
+        kind = _fire(self, "order")
+        if kind == "duplicate" and ordered:
+            return ordered + ordered[:1]
+        if kind == "drop" and ordered:
+            return ordered[1:]
+        if kind == "wrong_type":
+            return "not a list"
+        if kind == "raise":
+            raise RuntimeError("order failed")
+        return ordered
+
+    def on_arrival(self, seq, now):
+        if _fire(self, "on_arrival"):
+            raise RuntimeError("on_arrival failed")
+
+    def on_step_end(self, results, now):
+        if _fire(self, "on_step_end"):
+            raise RuntimeError("on_step_end failed")
+
+    def on_finish(self, seq, now):
+        if _fire(self, "on_finish"):
+            raise RuntimeError("on_finish failed")
+
+    def on_preempt(self, seq, now):
+        if _fire(self, "on_preempt"):
+            raise RuntimeError("on_preempt failed")
+
+
+class FaultyBudget(TokenBudget):
+    name = "faulty-budget"
+
+    def limits(self, state):
+        kind = _fire(self, "limits")
+        if kind == "zero":
+            return type(super().limits(state))(0, 0)
+        if kind == "wrong_type":
+            return (4, 16)
+        if kind == "raise":
+            raise RuntimeError("limits failed")
+        return super().limits(state)
+
+    def may_admit(self, seq, state):
+        if _fire(self, "may_admit"):
+            raise RuntimeError("may_admit failed")
+        return True
+
+
+class FaultyPrefill(ChunkedPrefill):
+    name = "faulty-prefill"
+
+    def num_tokens(self, seq, tokens_left, batch_empty):
+        kind = _fire(self, "num_tokens")
+        n = super().num_tokens(seq, tokens_left, batch_empty)
+        if kind == "overrun":
+            return seq.num_pending_tokens + tokens_left
+        if kind == "negative":
+            return -1
+        if kind == "float":
+            return float(n)
+        if kind == "raise":
+            raise RuntimeError("num_tokens failed")
+        return n
+
+
+class FaultyPreemption(Recompute):
+    name = "faulty-preemption"
+
+    def choose_victim(self, candidates, queue, now):
+        kind = _fire(self, "choose_victim")
+        if kind == "stranger":
+            return object()
+        if kind == "raise":
+            raise RuntimeError("choose_victim failed")
+        return super().choose_victim(candidates, queue, now)
+
+
+class FaultySwap(FaultyPreemption, Swap):
+    name = "faulty-swap"
+    mode = "swap"
+
+
+class FaultyFifo(SchedulerPlugin):
+    """A plain whole scheduler (up to 4 at once, whole prompts, no preemption) with faults."""
+
+    name = "faulty-fifo"
+
+    def __init__(self, params, blocks):
+        super().__init__(params, blocks)
+        self.waiting = deque()
+        self.running = []
+        self.done = []
+        self.faults = None
+
+    def add(self, seq):
+        self.waiting.append(seq)
+
+    def has_unfinished(self):
+        return bool(self.waiting or self.running)
+
+    def schedule(self):
+        kind = _fire(self, "schedule")
+        if kind == "raise":
+            raise RuntimeError("schedule failed")
+        if kind == "wrong_type":
+            return None
+        if kind == "empty":
+            return SchedulerOutput()
+        while self.waiting and len(self.running) < 4 and self.blocks.can_grow(self.waiting[0], 16):
+            seq = self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+        out = SchedulerOutput()
+        for seq in self.running:
+            n = seq.num_pending_tokens
+            if self.blocks.try_grow(seq, n):
+                out.scheduled.append(ScheduledSeq(seq, n))
+        if kind == "twice" and out.scheduled:
+            out.scheduled.append(out.scheduled[0])
+        if kind == "overrun" and out.scheduled:
+            out.scheduled[0] = ScheduledSeq(out.scheduled[0].seq, out.scheduled[0].num_tokens + 3)
+        if kind == "no_blocks" and self.waiting:
+            seq = self.waiting[0]
+            seq.status = SequenceStatus.RUNNING
+            out.scheduled.append(ScheduledSeq(seq, seq.num_pending_tokens))
+        if kind == "finished" and self.done:
+            out.scheduled.append(ScheduledSeq(self.done[0], 1))
+        return out
+
+    def on_step_end(self, output, results):
+        for seq in [s for s in self.running if s.is_finished]:
+            self.running.remove(seq)
+            self.blocks.free(seq)
+            self.done.append(seq)
+
+    def abort(self, request_id):
+        for group in (self.waiting, self.running):
+            for seq in list(group):
+                if seq.request_id == request_id:
+                    group.remove(seq)
+                    self.blocks.free(seq)
+                    return seq
+        return None

@@ -1,0 +1,147 @@
+"""Property: whatever a plugin does, the engine neither lies, hangs nor loses work.
+
+Hypothesis draws a workload (prompts, caps, aborts at random steps) and a
+fault (recompute with prefix caching, or swap): a policy of the composed
+scheduler, or a whole-scheduler plugin, that at
+one step duplicates, drops, overruns a budget, returns a wrong type, skips its
+KV blocks or raises from one of its methods. After every step, either the step
+ran and every finished output is token-exact against the per-prompt
+reference, or a ``SchedulerError`` (or ``SchedulerStall``) naming the faulty
+plugin came out; then the block bookkeeping checks clean and, once everything
+is aborted, no block is held. Each example is bounded in steps.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+from adversarial_plugins import Faults
+from conftest import PROMPTS
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from cbcore import Engine, EngineConfig, SamplingParams, SchedulerError
+from cbcore.testing import assert_equivalent, compare_greedy, reference_generate, tiny_model
+
+HERE = str(Path(__file__).with_name("adversarial_plugins.py"))
+MAX_STEPS = 150
+POOL = [PROMPTS[i][:12] for i in range(8)]  # prompts of up to 12 tokens
+
+
+COMPOSED = {
+    "order": ("queue", "faulty-queue", ["duplicate", "drop", "wrong_type", "raise"]),
+    "on_arrival": ("queue", "faulty-queue", ["raise"]),
+    "on_step_end": ("queue", "faulty-queue", ["raise"]),
+    "on_finish": ("queue", "faulty-queue", ["raise"]),
+    "on_preempt": ("queue", "faulty-queue", ["raise"]),
+    "limits": ("budget", "faulty-budget", ["zero", "wrong_type", "raise"]),
+    "may_admit": ("budget", "faulty-budget", ["raise"]),
+    "num_tokens": ("prefill", "faulty-prefill", ["overrun", "negative", "float", "raise"]),
+    "choose_victim": ("preemption", "faulty-preemption", ["stranger", "raise"]),
+}
+WHOLE = ["twice", "overrun", "no_blocks", "finished", "empty", "raise", "wrong_type"]
+
+
+@functools.cache
+def model():
+    return tiny_model("llama")
+
+
+@functools.cache
+def reference(prompt: int, cap: int):
+    return reference_generate(model(), [POOL[prompt]], [cap])[0]
+
+
+requests = st.lists(
+    st.tuples(st.integers(0, len(POOL) - 1), st.integers(1, 8), st.one_of(st.none(), st.integers(0, 15))),
+    min_size=1,
+    max_size=6,
+)
+
+
+def build(target: str, swap: bool) -> Engine:
+    kv = {"block_size": 4, "num_blocks": 12, "prefix_caching": not swap}
+    if target == "schedule":
+        scheduler = {"name": f"{HERE}:FaultyFifo"}
+        kv = {"block_size": 4, "num_blocks": 32}
+    else:
+        scheduler = {
+            "queue": {"name": f"{HERE}:FaultyQueue"},
+            "budget": {"name": f"{HERE}:FaultyBudget", "max_num_seqs": 4, "max_num_batched_tokens": 16},
+            "prefill": {"name": f"{HERE}:FaultyPrefill", "chunk_size": 8},
+            "preemption": {"name": f"{HERE}:FaultyPreemption"},
+        }
+        if swap:
+            scheduler["preemption"]["name"] = f"{HERE}:FaultySwap"
+    config = EngineConfig.model_validate({"backend": {"name": "eager"}, "kv_cache": kv, "scheduler": scheduler})
+    return Engine(model(), config=config)
+
+
+def live_seqs(engine: Engine) -> list:
+    sched = engine.scheduler
+    return list(getattr(sched, "running", []))  # the sequences holding device blocks
+
+
+def culprit_of(target: str, swap: bool) -> str:
+    if target == "schedule":
+        return "faulty-fifo"
+    if target == "choose_victim" and swap:
+        return "faulty-swap"
+    return COMPOSED[target][1]
+
+
+FAULTS = [(t, k) for t, (_, _, kinds) in COMPOSED.items() for k in kinds] + [("schedule", k) for k in WHOLE]
+
+
+@pytest.mark.parametrize(("target", "kind"), FAULTS, ids=[f"{t}-{k}" for t, k in FAULTS])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(at=st.integers(0, 4), reqs=requests, swap=st.booleans())
+def test_no_plugin_makes_the_engine_lie_hang_or_leak(target, kind, at, reqs, swap) -> None:
+    engine = build(target, swap)
+    plan = Faults(target, at, kind)
+    for plugin in (engine.scheduler, *getattr(engine.scheduler, "policies", ())):
+        plugin.faults = plan
+    which: dict[str, tuple[int, int]] = {}
+    aborts: dict[int, list[str]] = {}
+    finished = {}
+    error = None
+    try:
+        for i, (prompt, cap, abort_at) in enumerate(reqs):
+            rid = engine.add_request(list(POOL[prompt]), SamplingParams(max_new_tokens=cap), request_id=f"r{i}")
+            which[rid] = (prompt, cap)
+            if abort_at is not None:
+                aborts.setdefault(abort_at, []).append(rid)
+        steps = 0
+        while engine.has_unfinished():
+            assert steps < MAX_STEPS, f"no end after {MAX_STEPS} steps"
+            plan.step = steps
+            for rid in aborts.get(steps, []):
+                if engine.abort(rid):
+                    which.pop(rid)
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+            engine.scheduler.blocks.check(live_seqs(engine))
+            steps += 1
+    except SchedulerError as exc:
+        error = exc
+    event(f"{target}/{kind}: {'error' if error else 'fired, ran on' if plan.fired else 'not reached'}")
+    if error is not None:
+        assert plan.fired, f"an error without a fault: {error}"
+        assert culprit_of(target, swap) in str(error), error
+        engine.scheduler.blocks.check(live_seqs(engine))
+    # Every request that finished normally is token-exact against its prompt run alone.
+    done = [o for rid, o in finished.items() if rid in which and o.finish_reason != "abort"]
+    assert all(o.finish_reason in ("stop", "length") for o in done), [o.error for o in done]
+    refs = [reference(*which[o.request_id]) for o in done]
+    if done:
+        assert_equivalent(compare_greedy(model(), done, refs))
+    plan.enabled = False
+    for rid in list(engine._live):
+        engine.abort(rid)
+    assert not engine.has_unfinished()
+    blocks = engine.scheduler.blocks
+    blocks.check([])
+    assert blocks.num_free_blocks == blocks.num_blocks
