@@ -166,7 +166,9 @@ class EngineDecode:
         self.engine = Engine(model, None, engine_config(width, context + prefill, steps, backend))
         rng = random.Random(seed)
         vocab = self.engine.vocab_size
-        params = SamplingParams(max_new_tokens=10**6, ignore_eos=True)
+        # Long enough to outlast every timed step (the pool is sized for it), and no longer: a request
+        # that could never fit its context or the pool is refused at add_request.
+        params = SamplingParams(max_new_tokens=steps + 2, ignore_eos=True)
         for _ in range(width):
             self.engine.add_request(_random_prompt(rng, vocab, context), params)
         with _stand_in_forward(self.engine):
