@@ -194,20 +194,33 @@ def test_killing_a_replica_mid_load_fails_only_its_streams_and_the_app_recovers(
         assert health.status == 200
 
 
-def test_cb_serve_replicas_joins_a_running_ray_and_exits_cleanly(
+def test_cb_serve_replicas_joins_a_running_ray_beside_another_app_and_exits_cleanly(
     port: int, cb_tiny_model_dir: Path, reference: Engine
 ) -> None:
     from cbcore.serve.launch import ServerProcess
 
+    first = deploy(cb_tiny_model_dir, port, "round-robin")  # an application already served at /
     args = [
         "--model", str(cb_tiny_model_dir), "--replicas", "1", "--cpus-per-replica", "0.5", "--threads", "1",
         "--ray-address", ray.get_runtime_context().gcs_address, "--set", "kv_cache.num_blocks=512",
-        "--set", "kv_cache.block_size=4", "--served-model-name", MODEL,
+        "--set", "kv_cache.block_size=4", "--served-model-name", MODEL, "--route-prefix", "/second",
     ]  # fmt: skip
+    prompts = random_prompts(2, min_len=3, max_len=12, seed=11)
+    want = expected(reference, prompts, 6)
     with ServerProcess(args, env={"OMP_NUM_THREADS": "1"}) as server:
         # Serve already runs on this cluster: the proxy keeps its port, and the ready line says so.
-        assert server.url == f"http://{HOST}:{port}"
-        prompts = random_prompts(2, min_len=3, max_len=12, seed=11)
-        assert [complete(client(server.url), p, 6, stream=True) for p in prompts] == expected(reference, prompts, 6)
+        assert server.url == f"http://{HOST}:{port}/second"
+        assert [complete(client(server.url), p, 6, stream=True) for p in prompts] == want
+        assert [complete(client(first), p, 6, stream=False) for p in prompts] == want  # both apps serve
         assert server.stop() == 0
-    assert APP_NAME not in serve.status().applications  # its application is gone; the cluster stays up
+    apps = serve.status().applications
+    assert "cbcore-second" not in apps  # its application is gone; the cluster and the other app stay up
+    assert apps[APP_NAME].status == "RUNNING"
+    assert [complete(client(first), p, 6, stream=True) for p in prompts] == want
+
+
+def test_route_prefix_is_checked_before_anything_starts() -> None:
+    assert ScaleOptions(route_prefix="/a/b-1").route_prefix == "/a/b-1"
+    for bad in ("one", "/one/", "/a b", "//x"):
+        with pytest.raises(ValueError, match="route_prefix"):
+            ScaleOptions(route_prefix=bad)

@@ -130,6 +130,7 @@ def test_200_streaming_clients_a_fifth_hanging_up(tiny_server, cb_tiny_model_dir
     assert httpx.get(tiny_server.url + "/health").json() == {"status": "ok"}
     rss = "process_resident_memory_bytes"
     grown_mb = (metric(after, rss) - metric(before, rss)) / 2**20
+    print(f"server RSS grew by {grown_mb:.1f} MiB under load (bound {RSS_BOUND_MB} MiB)")  # shown with -s
     assert grown_mb < RSS_BOUND_MB, f"RSS grew by {grown_mb:.1f} MiB under load"
 
 

@@ -18,7 +18,7 @@ from cbcore.engine import Engine
 from cbcore.engine_core import StepRecord
 from cbcore.sim.anchor import LLAMA_2_7B, check_linear, load_linear
 from cbcore.sim.executor import VirtualClock, sim_engine
-from cbcore.sim.fitted import fit_cost, nnls
+from cbcore.sim.fitted import fit_cost, nnls, refit
 from cbcore.sim.loop import Replica, simulate_run
 from cbcore.sim.model_shape import ModelShape
 from cbcore.sim.profile import Identity, Profile, ProfileError, load_profile
@@ -146,6 +146,30 @@ def test_the_fit_recovers_a_known_non_monotone_cost() -> None:
     for shape, t in zip(shapes, times, strict=True):
         assert cost.step_time(shape) == pytest.approx(t, rel=1e-3)
     assert cost.step_time(_shape(3, 0, 1)) > cost.step_time(_shape(4, 0, 1))
+
+
+def test_decode_keys_and_prompt_pairs_are_priced_apart_and_a_refit_reproduces_the_fit() -> None:
+    # Decode rows read their keys (memory: per key); prompt chunks multiply queries by keys (compute: per pair).
+    knots = [1, 4, 16, 64, 256]
+    g = {1: 0.02, 4: 0.03, 16: 0.04, 64: 0.08, 256: 0.25}
+    shapes = [
+        StepShape(rows, 0, rows, rows * context, rows * context, tuple(range(rows)))
+        for rows in (1, 4, 16)
+        for context in (16, 512, 2048)
+    ] + [
+        StepShape(1, q, 0, q * start + q * (q + 1) // 2, start + q, (0,))
+        for q in (64, 256)
+        for start in (0, 256, 1024)
+    ]
+    times = [g[s.num_tokens] + 1e-7 * s.attn_pairs + 2e-5 * s.kv_tokens + 0.001 * s.num_seqs for s in shapes]
+    cost = fit_cost(shapes, times, knots)
+    assert cost.fit.mean_abs < 1e-3
+    assert cost.per_kv_token_s == pytest.approx(2e-5, rel=1e-2)
+    assert cost.per_attn_pair_s == pytest.approx(1e-7, rel=1e-2)
+    long_decode = StepShape(1, 0, 1, 2048, 2048, (0,))
+    assert cost.step_time(long_decode) == pytest.approx(0.021 + (2e-5 + 1e-7) * 2048, rel=1e-3)
+    again = refit(cost)
+    assert again.knot_s == pytest.approx(cost.knot_s) and again.per_kv_token_s == pytest.approx(cost.per_kv_token_s)
 
 
 def test_nnls_keeps_coefficients_non_negative() -> None:

@@ -114,9 +114,15 @@ class PrefillOnly:
 
 
 def engine_config(width: int, context: int, steps: int, backend: str = "sdpa") -> EngineConfig:
-    """A roomy pool and budget for ``width`` sequences of ``context + steps`` tokens."""
+    """A roomy pool for ``width`` sequences of ``context + steps`` tokens.
+
+    The token budget takes every prompt in one step, so all sequences start decoding together, at
+    exactly ``context`` tokens (with a smaller one, those prefilled first would decode meanwhile
+    and could finish before the last one starts).
+    """
     block = 16
     blocks = width * (-(-(context + steps + 2) // block)) + 4
+    budget = max(512, width * (context + 1))
     return EngineConfig.model_validate(
         {
             "backend": {"name": backend},
@@ -125,7 +131,7 @@ def engine_config(width: int, context: int, steps: int, backend: str = "sdpa") -
                 "budget": {
                     "name": "token-budget",
                     "max_num_seqs": max(width, 1),
-                    "max_num_batched_tokens": max(512, width),
+                    "max_num_batched_tokens": budget,
                 }
             },
         }

@@ -49,18 +49,7 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--workload", default="seed", metavar="SPEC", help="seed, FILE.jsonl or poisson:...")
-    parser.add_argument(
-        "--config",
-        action="append",
-        default=[],
-        dest="configs",
-        metavar="FILE",
-        help="engine config (repeatable)",
-    )
-    parser.add_argument(
-        "--policy", action="append", default=[], dest="policies", metavar="MIX", help="e.g. priority+chunked"
-    )
+    add_row_flags(parser)
     parser.add_argument("--backend", action="append", default=[], dest="backends", metavar="NAME")
     parser.add_argument(
         "--baseline",
@@ -92,11 +81,7 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
         help="also run every configuration behind a `cb serve` subprocess (rows NAME@http)",
     )
     parser.add_argument("--api-key", metavar="KEY", help="API key for --server (default: $CBCORE_API_KEY)")
-    parser.add_argument("--slo", metavar="ttft:MS,tpot:MS", help="latency objectives for goodput")
-    parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
-    parser.add_argument("--csv", metavar="FILE", help="write the rows as CSV")
-    parser.add_argument("--plot", metavar="FILE.png", help="latency CDFs and throughput per row")
-    parser.add_argument("--save-trace", metavar="FILE.jsonl", help="write the workload as a replayable trace")
+    add_report_flags(parser)
     parser.add_argument(
         "--no-reference",
         action="store_true",
@@ -110,8 +95,41 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
         help="run every row N times, interleaved, and report each row's median run",
     )
     parser.add_argument("--threads", type=int, metavar="N", help="torch CPU threads")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     parser.set_defaults(func=run)
+
+
+def add_row_flags(parser: argparse.ArgumentParser) -> None:
+    """The workload and the rows, shared with `cb simulate`: one row per --config x --policy."""
+    parser.add_argument("--workload", default="seed", metavar="SPEC", help="seed, FILE.jsonl or poisson:...")
+    parser.add_argument(
+        "--config", action="append", default=[], dest="configs", metavar="FILE", help="engine config (repeatable)"
+    )
+    parser.add_argument(
+        "--policy", action="append", default=[], dest="policies", metavar="MIX", help="e.g. priority+chunked"
+    )
+
+
+def add_report_flags(parser: argparse.ArgumentParser) -> None:
+    """Where the results go, shared with `cb simulate` (see :func:`write_reports`)."""
+    parser.add_argument("--slo", metavar="ttft:MS,tpot:MS", help="latency objectives for goodput")
+    parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    parser.add_argument("--csv", metavar="FILE", help="write the rows as CSV")
+    parser.add_argument("--plot", metavar="FILE.png", help="latency CDFs and throughput per row")
+    parser.add_argument("--save-trace", metavar="FILE.jsonl", help="write the workload as a replayable trace")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def write_reports(result: Any, args: argparse.Namespace) -> None:
+    """The table on stdout, then the files the report flags asked for."""
+    from cbcore.bench import report
+
+    print(report.table(result))
+    if args.json:
+        report.write_json(result, args.json)
+    if args.csv:
+        report.write_csv(result, args.csv)
+    if args.plot:
+        report.plot(result, args.plot)
 
 
 def build_configs(args: argparse.Namespace) -> list[tuple[str, Any]]:
@@ -140,7 +158,6 @@ def build_configs(args: argparse.Namespace) -> list[tuple[str, Any]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cbcore.bench import report
     from cbcore.bench.generator import is_generator
     from cbcore.bench.metrics import SLO
     from cbcore.bench.sources import load_workload
@@ -194,13 +211,7 @@ def run(args: argparse.Namespace) -> int:
             servers=servers,
             api_key=args.api_key or os.environ.get("CBCORE_API_KEY"),
         )
-    print(report.table(result))
-    if args.json:
-        report.write_json(result, args.json)
-    if args.csv:
-        report.write_csv(result, args.csv)
-    if args.plot:
-        report.plot(result, args.plot)
+    write_reports(result, args)
     return 1 if any("error" in row for row in result.rows) else 0
 
 

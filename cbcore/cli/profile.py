@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from cbcore.cli.main import CLIError
+
+if TYPE_CHECKING:
+    from cbcore.sim.profile import Profile
 
 
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -25,10 +29,17 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     parser.add_argument("--quick", action="store_true", help="a small grid (seconds, for tests and checks)")
     parser.add_argument("--threads", type=int, metavar="N", help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    parser.add_argument(
+        "--refit",
+        metavar="FILE",
+        help="time nothing: fit the steps recorded in this profile again (after the model form changed)",
+    )
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.refit:
+        return refit(args.refit, args.out)
     import torch
 
     from cbcore.cli.common import engine_config
@@ -53,11 +64,33 @@ def run(args: argparse.Namespace) -> int:
 
     profile = make_profile(engine, name, grid, seed=args.seed, progress=note)
     profile.save(args.out)
+    summarize(profile, args.out)
+    return 0
+
+
+def refit(source: str, out: str) -> int:
+    from cbcore.sim.fitted import FittedCost
+    from cbcore.sim.fitted import refit as refit_cost
+    from cbcore.sim.profile import ProfileError, load_profile
+
+    try:
+        profile = load_profile(source)
+    except ProfileError as exc:
+        raise CLIError(str(exc)) from None
+    if not isinstance(profile.cost, FittedCost) or not profile.cost.steps:
+        raise CLIError(f"--refit {source}: not a measured profile with recorded steps")
+    profile = profile.model_copy(update={"cost": refit_cost(profile.cost)})
+    profile.save(out)
+    summarize(profile, out)
+    return 0
+
+
+def summarize(profile: Profile, out: str) -> None:
     fit = profile.cost.fit  # type: ignore[union-attr]
     held = f"{100 * fit.holdout_mean_abs:.1f} %" if fit.holdout_mean_abs is not None else "-"
+    ident = profile.identity
     print(
-        f"{args.out}: {fit.num_steps} steps of {name} ({profile.identity.dtype}, {profile.identity.backend}, "
-        f"{profile.identity.threads} threads) on {profile.identity.hardware}; mean step-time error "
+        f"{out}: {fit.num_steps} steps of {ident.model} ({ident.dtype}, {ident.backend}, "
+        f"{ident.threads} threads) on {ident.hardware}; mean step-time error "
         f"{100 * fit.mean_abs:.1f} % (held out: {held}), p90 {100 * fit.p90_abs:.1f} %"
     )
-    return 0

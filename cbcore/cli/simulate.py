@@ -11,6 +11,7 @@ import argparse
 import sys
 from typing import Any
 
+from cbcore.cli.bench import add_report_flags, add_row_flags, write_reports
 from cbcore.cli.main import CLIError
 
 EPILOG = """\
@@ -35,18 +36,7 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--profile", required=True, metavar="FILE_OR_NAME", help="cost profile")
-    parser.add_argument("--workload", default="seed", metavar="SPEC", help="seed, FILE.jsonl or poisson:...")
-    parser.add_argument(
-        "--config",
-        action="append",
-        default=[],
-        dest="configs",
-        metavar="FILE",
-        help="engine config (repeatable)",
-    )
-    parser.add_argument(
-        "--policy", action="append", default=[], dest="policies", metavar="MIX", help="e.g. priority+chunked"
-    )
+    add_row_flags(parser)
     parser.add_argument(
         "--replicas", type=int, default=1, metavar="N", help="N engines per row behind the config's router"
     )
@@ -68,17 +58,11 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     parser.add_argument(
         "--tokenizer", metavar="DIR", help="tokenizer for text prompts (default: the model's)"
     )
-    parser.add_argument("--slo", metavar="ttft:MS,tpot:MS", help="latency objectives for goodput")
-    parser.add_argument("--json", metavar="FILE", help="write the results as JSON")
-    parser.add_argument("--csv", metavar="FILE", help="write the rows as CSV")
-    parser.add_argument("--plot", metavar="FILE.png", help="latency CDFs and throughput per row")
-    parser.add_argument("--save-trace", metavar="FILE.jsonl", help="write the workload as a replayable trace")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    add_report_flags(parser)
     parser.set_defaults(func=run, backends=[])
 
 
 def run(args: argparse.Namespace) -> int:
-    from cbcore.bench import report
     from cbcore.bench.metrics import SLO
     from cbcore.bench.sources import load_workload
     from cbcore.bench.suite import prompt_token_ids
@@ -115,13 +99,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"simulated: {p.model} ({p.dtype}, {p.backend}) on {p.hardware}, {p.source} profile", file=sys.stderr
     )
-    print(report.table(result))
-    if args.json:
-        report.write_json(result, args.json)
-    if args.csv:
-        report.write_csv(result, args.csv)
-    if args.plot:
-        report.plot(result, args.plot)
+    write_reports(result, args)
     return 0
 
 

@@ -9,8 +9,9 @@ it already has — avoid that: no copy of the weights, only the ``[rows, out]``
 result is made contiguous again.
 
 Which order wins depends on the BLAS, the core and the row count, so it is
-measured once when an engine is built (:func:`calibrate`: both orders on the
-model's own weight shapes at each row count of interest, interleaved) and
+measured once when an engine is built (:func:`calibrate`: both orders over
+enough of the model's own weights to stream them from memory, as a forward
+does, at each row count of interest, interleaved) and
 looked up by row count on every call. The alternative order is used only
 inside an engine forward (:meth:`LinearRouter.active`): the model object stays
 a plain HF model for anyone else using it, ``generate()`` included.
@@ -23,8 +24,9 @@ like any other change of batch shape.
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Literal
 
 import torch
@@ -39,7 +41,9 @@ LinearLayout = Literal["auto", "standard", "transposed"]
 #: Row counts calibrated; a step with more rows than the largest uses the larger's choice.
 CALIBRATED_ROWS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
 #: The transposed order must beat the standard one by this factor to be chosen.
-MARGIN = 0.93
+MARGIN = 0.95
+#: Weights each calibration pass reads: well beyond a CPU's caches, as in a forward.
+CALIBRATION_BYTES = 64 * 2**20
 
 
 class LinearRouter:
@@ -115,28 +119,48 @@ def _routed_forward(module: nn.Linear, router: LinearRouter):
 def calibrate(modules: list[nn.Linear], rounds: int = 5) -> frozenset[int]:
     """Row counts at which the transposed order is clearly faster on this machine.
 
-    Times both orders over one layer's worth of distinct weight shapes (the
-    first module of each shape), best of ``rounds`` interleaved runs each.
+    Times both orders over the model's first layers, in model order, until
+    :data:`CALIBRATION_BYTES` of weights are covered. A forward streams every
+    weight from memory once; a handful of matrices that stay in the CPU's
+    caches do not show the BLAS's weak shapes (timed that way, the standard
+    order looked as fast at every row count, while over the whole model the
+    transposed one costs half as much at 3 rows). Each round times the two
+    orders back to back and the decision takes the median of the rounds'
+    ratios, so a machine whose speed drifts (a shared host) moves both sides
+    of a ratio alike.
     """
-    weights: dict[tuple[int, int], nn.Linear] = {}
-    for m in modules[:16]:
-        weights.setdefault(tuple(m.weight.shape), m)
+    sample: list[nn.Linear] = []
+    size = 0
+    for m in modules:
+        sample.append(m)
+        size += m.weight.numel() * m.weight.element_size()
+        if size >= CALIBRATION_BYTES:
+            break
     # With one thread, CPU time of this thread is what the product costs, and it is far less
     # disturbed by other processes on a shared machine than wall time.
     clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+
     chosen = set()
     for rows in CALIBRATED_ROWS:
-        xs = [torch.randn(rows, m.in_features, dtype=m.weight.dtype) for m in weights.values()]
-        best = {"standard": float("inf"), "transposed": float("inf")}
-        for _ in range(rounds):
-            for name in best:
-                t0 = clock()
-                for x, m in zip(xs, weights.values(), strict=True):
-                    if name == "standard":
-                        F.linear(x, m.weight, m.bias)
-                    else:
-                        transposed_linear(x, m.weight, m.bias)
-                best[name] = min(best[name], clock() - t0)
-        if best["transposed"] < MARGIN * best["standard"]:
+        inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=m.weight.dtype) for m in sample}
+        for product in (F.linear, transposed_linear):  # first-call costs (allocations, set-up) untimed
+            _pass_seconds(product, sample, inputs, clock)
+        ratios = [
+            _pass_seconds(transposed_linear, sample, inputs, clock) / _pass_seconds(F.linear, sample, inputs, clock)
+            for _ in range(rounds)
+        ]
+        if statistics.median(ratios) < MARGIN:
             chosen.add(rows)
     return frozenset(chosen)
+
+
+def _pass_seconds(
+    product: Callable[..., torch.Tensor],
+    sample: list[nn.Linear],
+    inputs: dict[int, torch.Tensor],
+    clock: Callable[[], float],
+) -> float:
+    t0 = clock()
+    for m in sample:
+        product(inputs[m.in_features], m.weight, m.bias)
+    return max(clock() - t0, 1e-9)

@@ -10,6 +10,7 @@ each replica's load every ``load_interval_s``. Joining an existing cluster
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import sys
@@ -38,8 +39,11 @@ class ScaleOptions:
     health_check_timeout_s: float = 30.0
     max_attempts: int = 3  # a request that lost its replica before its first token is sent again
     route_timeout_s: float = 60.0
+    route_prefix: str = "/"  # one Serve application per prefix: several can share a cluster
 
     def __post_init__(self) -> None:
+        if not re.fullmatch(r"/|(/[A-Za-z0-9_.-]+)+", self.route_prefix):
+            raise ValueError(f"route_prefix must be / or a path like /name, got {self.route_prefix!r}")
         if self.replicas < 1:
             raise ValueError(f"replicas must be at least 1, got {self.replicas}")
         if self.num_cpus_per_replica <= 0:
@@ -104,6 +108,7 @@ def start(
 
     Where Serve already runs on the cluster, its HTTP proxy keeps the host
     and port it was started with, and the URL returned says which.
+    Applications under other route prefixes keep running beside this one.
     """
     from ray import serve
     from ray.serve.context import _get_global_client
@@ -111,9 +116,15 @@ def start(
     if port == 0:
         port = free_port(host)
     serve.start(http_options={"host": host, "port": port})
-    serve.run(build_application(config, options, model_name, api_key), name=APP_NAME, route_prefix="/")
+    app = build_application(config, options, model_name, api_key)
+    serve.run(app, name=app_name(options), route_prefix=options.route_prefix)
     http = _get_global_client().http_config  # the proxy's actual options (no public accessor)
-    return f"http://{http.host}:{http.port}"
+    return f"http://{http.host}:{http.port}{options.route_prefix.rstrip('/')}"
+
+
+def app_name(options: ScaleOptions) -> str:
+    """``cbcore`` at ``/``, ``cbcore-one`` at ``/one``."""
+    return APP_NAME + options.route_prefix.rstrip("/").replace("/", "-")
 
 
 def run(
@@ -152,7 +163,7 @@ def run(
         print(f"{ready_line}{url} (replicas {options.replicas}, router {config.router.name})", file=sys.stderr, flush=True)
         stop.wait()
         log.warning("shutting down the application")
-        serve.delete(APP_NAME)
+        serve.delete(app_name(options))
     finally:
         if not ray_address:
             serve.shutdown()

@@ -22,12 +22,18 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "--ray-cpus", type=float, metavar="X", help="CPUs of the local Ray instance this starts (default: all of this machine)"
     )
     group.add_argument(
+        "--route-prefix",
+        metavar="PATH",
+        help="URL path to serve the application under (default /); applications under different prefixes,"
+        " e.g. two policy mixes, share one cluster",
+    )
+    group.add_argument(
         "--load-interval", type=float, default=0.5, metavar="S", help="seconds between load reports the router reads (default 0.5)"
     )
 
 
 def wants_replicas(args: argparse.Namespace) -> bool:
-    return getattr(args, "replicas", None) is not None or getattr(args, "ray_address", None) is not None
+    return any(getattr(args, name, None) is not None for name in ("replicas", "ray_address", "route_prefix"))
 
 
 def run(args: argparse.Namespace, config: EngineConfig, model_name: str, api_key: str | None, ready_line: str) -> int:
@@ -47,6 +53,7 @@ def run(args: argparse.Namespace, config: EngineConfig, model_name: str, api_key
             num_cpus_per_replica=args.cpus_per_replica,
             threads=args.threads,
             load_interval_s=args.load_interval,
+            route_prefix=args.route_prefix or "/",
         )
     except ValueError as exc:
         raise CLIError(str(exc)) from None

@@ -1,11 +1,15 @@
 """A step-time model fitted to steps timed on this machine.
 
-``t = g(tokens) + a * attn_pairs + b * sampled_rows + c * sequences``, where
-``g`` is piecewise linear in the step's token count with a knot at every
+``t = g(tokens) + a * attn_pairs + k * keys_read + b * sampled_rows + c * sequences``,
+where ``g`` is piecewise linear in the step's token count with a knot at every
 width the profile measured. The knots are what lets the model follow a CPU
 BLAS whose cost is not monotone in the number of rows (2-3 rows can cost more
-than 4 here); the other terms are attention work, the LM head, and per-sequence
-host work. Coefficients are fitted by non-negative least squares on relative
+than 4 here). Attention has two terms because it has two regimes: a prompt's
+queries against its keys is compute (``attn_pairs``, query x key products),
+while a decode row reads each of its keys once from the paged cache for one
+query, which is memory traffic (``keys_read``); one per-pair price cannot fit
+both, and a fit with only the first priced a 2,048-key decode row like a
+16-key one. The rest are the LM head and per-sequence host work. Coefficients are fitted by non-negative least squares on relative
 error, so short steps weigh as much as long ones, then scaled so that the
 timed steps' predicted total equals their measured total: on a machine whose
 step times are noisy, a fit of relative errors alone predicts the typical step
@@ -47,6 +51,7 @@ class FittedCost(BaseModel):
     knots: list[int] = Field(description="Token counts at which g is given (ascending).")
     knot_s: list[NonNegativeFloat] = Field(description="g at each knot, seconds.")
     per_attn_pair_s: NonNegativeFloat
+    per_kv_token_s: NonNegativeFloat = Field(0.0, description="Per key read from the cache (0 in older profiles).")
     per_sample_s: NonNegativeFloat
     per_seq_s: NonNegativeFloat
     fit: FitError
@@ -65,6 +70,7 @@ class FittedCost(BaseModel):
         return (
             g
             + self.per_attn_pair_s * shape.attn_pairs
+            + self.per_kv_token_s * shape.kv_tokens
             + self.per_sample_s * shape.num_samples
             + self.per_seq_s * shape.num_seqs
         )
@@ -89,6 +95,7 @@ def _design(shapes: Seq[StepShape], knots: Seq[int]) -> np.ndarray:
             hat[tokens > k] = tokens[tokens > k] / k  # proportional beyond the last knot
         cols.append(hat)
     cols.append(np.array([s.attn_pairs for s in shapes], dtype=float))
+    cols.append(np.array([s.kv_tokens for s in shapes], dtype=float))
     cols.append(np.array([s.num_samples for s in shapes], dtype=float))
     cols.append(np.array([s.num_seqs for s in shapes], dtype=float))
     return np.stack(cols, axis=1)
@@ -140,8 +147,9 @@ def fit_cost(shapes: Seq[StepShape], times: Seq[float], knots: Seq[int]) -> Fitt
         knots=list(knots),
         knot_s=[float(v) for v in coef[:k]],
         per_attn_pair_s=float(coef[k]),
-        per_sample_s=float(coef[k + 1]),
-        per_seq_s=float(coef[k + 2]),
+        per_kv_token_s=float(coef[k + 1]),
+        per_sample_s=float(coef[k + 2]),
+        per_seq_s=float(coef[k + 3]),
         fit=FitError(
             num_steps=len(y),
             mean_abs=float(err.mean()),
@@ -163,6 +171,17 @@ def fit_cost(shapes: Seq[StepShape], times: Seq[float], knots: Seq[int]) -> Fitt
             for s, t in zip(shapes, times, strict=True)
         ],
     )
+
+
+def refit(cost: FittedCost) -> FittedCost:
+    """The timed steps a profile carries, fitted again with this version's model form."""
+    if not cost.steps:
+        raise ValueError("this profile carries no timed steps to fit again")
+    shapes = [
+        StepShape(num_seqs=n, prefill_tokens=p, decode_tokens=d, attn_pairs=a, kv_tokens=k, sample_rows=tuple(range(r)))
+        for n, p, d, a, k, r, _ in cost.steps
+    ]
+    return fit_cost(shapes, [t for *_, t in cost.steps], cost.knots)
 
 
 def _solve(x: np.ndarray, y: np.ndarray) -> np.ndarray:

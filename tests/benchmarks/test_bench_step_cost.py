@@ -102,3 +102,12 @@ def test_decode_state_is_what_the_cell_claims():
     last = side.engine.step_stats[-1]
     assert side.engine.step_totals.steps == before + 1
     assert (last.num_seqs, last.num_decode_tokens, last.num_prefill_tokens) == (3, 3, 0)
+
+
+def test_every_sequence_starts_decoding_together_and_lasts_the_timed_steps():
+    """Wide cells at long contexts: nobody decodes during the setup, nobody finishes while timed."""
+    side = EngineDecode(tiny_model("llama"), 8, 300, 4)
+    assert [s.num_tokens for s in side.engine.scheduler.running] == [301] * 8
+    for _ in range(4):
+        side.step()
+    assert side.engine.step_stats[-1].num_decode_tokens == 8
