@@ -126,7 +126,8 @@ def engine_config(width: int, context: int, steps: int, backend: str = "sdpa") -
     return EngineConfig.model_validate(
         {
             "backend": {"name": backend},
-            "kv_cache": {"block_size": block, "num_blocks": blocks},
+            # The mixed cell adds the same prompt every step: cached, it would be prefilled only once.
+            "kv_cache": {"block_size": block, "num_blocks": blocks, "prefix_caching": False},
             "scheduler": {
                 "budget": {
                     "name": "token-budget",
@@ -169,7 +170,8 @@ class EngineDecode:
         seed: int = 0,
         prefill: int = 0,
     ) -> None:
-        self.engine = Engine(model, None, engine_config(width, context + prefill, steps, backend))
+        seqs = width + 1 if prefill else width  # a mixed step's prompt runs beside the decodes
+        self.engine = Engine(model, None, engine_config(seqs, context + prefill, steps, backend))
         rng = random.Random(seed)
         vocab = self.engine.vocab_size
         # Long enough to outlast every timed step (the pool is sized for it), and no longer: a request

@@ -111,3 +111,11 @@ def test_every_sequence_starts_decoding_together_and_lasts_the_timed_steps():
     for _ in range(4):
         side.step()
     assert side.engine.step_stats[-1].num_decode_tokens == 8
+
+
+def test_the_mixed_cell_prefills_its_whole_prompt_in_every_timed_step():
+    side = EngineDecode(tiny_model("llama"), 3, 20, 4, prefill=16)
+    for _ in range(3):
+        side.step()
+        last = side.engine.step_stats[-1]
+        assert (last.num_decode_tokens, last.num_prefill_tokens) == (3, 16)  # no prefix-cache hit
