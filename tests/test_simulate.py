@@ -313,6 +313,13 @@ def test_cb_profile_then_cb_simulate(cb_tiny_model_dir, tmp_path: Path, capsys) 
     assert [r["name"] for r in data["rows"]] == ["fcfs", "priority"]
     assert all(r["completed"] == 6 and r["total_output_tokens"] == 24 for r in data["rows"])
     assert data["workload"]["profile"]["source"] == "measured"
+    # --refit fits the recorded steps again, timing nothing; a roofline profile has none to fit.
+    again = tmp_path / "again.json"
+    assert main(["profile", "--refit", str(prof), "--out", str(again)]) == 0
+    first, second = load_profile(prof).cost, load_profile(again).cost
+    assert second.steps == first.steps and second.knot_s == pytest.approx(first.knot_s)
+    assert main(["profile", "--refit", "h200-llama-3-8b", "--out", str(again)]) == 2
+    assert "not a measured profile with recorded steps" in capsys.readouterr().err
 
 
 def test_cb_simulate_refuses_a_bad_profile_in_one_line(tmp_path: Path, capsys) -> None:
