@@ -8,12 +8,11 @@ handed out in a shuffled order so that no sequence's blocks are contiguous.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
+from cbcore.bench.stepcost import torch_threads  # noqa: F401  (re-exported for the backend tests)
 from cbcore.execution.batch import FlatBatch, build_flat_batch
 from cbcore.execution.kv_cache import KVCache
 
@@ -21,15 +20,6 @@ from cbcore.execution.kv_cache import KVCache
 MIXED_STEP = [(10, 1), (0, 7), (5, 6), (30, 1), (0, 1), (3, 1), (0, 40), (17, 9), (64, 1)]
 
 
-@contextlib.contextmanager
-def torch_threads(n: int) -> Iterator[None]:
-    """Tiny models gain nothing from threads, and on a shared 2-core box they lose a lot."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 @dataclass
