@@ -112,7 +112,12 @@ class ExecutionConfig(BaseModel):
     linear_layout: Literal["auto", "standard", "transposed"] = Field(
         "auto",
         description="Product order of the linear layers inside engine steps: standard (x @ W.T), "
-        "transposed ((W @ x.T).T), or auto: measured per row count when the engine is built (CPU).",
+        "transposed ((W @ x.T).T), or auto: measured per row count (CPU), once per machine and model.",
+    )
+    linear_calibration: Literal["cached", "fresh"] = Field(
+        "cached",
+        description="For linear_layout auto: reuse the choice measured earlier for this machine, model, threads "
+        "and dtype (kept in $CBCORE_CACHE_DIR, default ~/.cache/cbcore), or measure again and replace it.",
     )
 
 

@@ -87,6 +87,7 @@ class Engine(EngineCore):
             num_blocks,
             host_blocks,
             linear_layout=config.execution.linear_layout,
+            linear_calibration=config.execution.linear_calibration,
         )
         self.model = model
         text_cfg = model.config.get_text_config()

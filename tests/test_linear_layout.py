@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from cbcore import Engine, EngineConfig, SamplingParams
+from cbcore.execution import linear
 from cbcore.execution.linear import CALIBRATED_ROWS, LinearRouter, calibrate, transposed_linear
 from cbcore.testing import tiny_model
 
@@ -52,3 +56,75 @@ def test_one_router_per_model_and_layout_and_standard_unroutes():
 def test_calibration_returns_row_counts_it_measured():
     chosen = calibrate([torch.nn.Linear(64, 128), torch.nn.Linear(128, 64)], rounds=1)
     assert chosen <= set(CALIBRATED_ROWS)
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("CBCORE_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+@pytest.fixture
+def measured(monkeypatch):
+    """Stands in for the timing: each calibration returns the next of these choices."""
+    choices = [frozenset({2, 3}), frozenset({4}), frozenset({5})]
+    calls: list[frozenset[int]] = []
+
+    def fake(modules, rounds=5):
+        calls.append(choices[len(calls)])
+        return calls[-1]
+
+    monkeypatch.setattr(linear, "calibrate", fake)
+    return calls
+
+
+def test_a_calibration_is_remembered_per_machine_model_and_threads(cache_dir, measured):
+    first = LinearRouter(tiny_model("llama"), "auto")
+    assert (first.transposed_rows, first.source) == ({2, 3}, "measured")
+    again = LinearRouter(tiny_model("llama"), "auto")  # another model object of the same shape: a later process
+    assert (again.transposed_rows, again.source) == ({2, 3}, "cached") and len(measured) == 1
+    other_shape = LinearRouter(tiny_model("gpt2"), "auto")
+    assert other_shape.source == "measured" and len(measured) == 2
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        assert LinearRouter(tiny_model("llama"), "auto").source == "measured"
+    finally:
+        torch.set_num_threads(threads)
+    assert len(measured) == 3
+    entries = json.loads((cache_dir / "linear-order.json").read_text())["entries"]
+    assert len(entries) == 3 and sorted(v["transposed_rows"] for v in entries.values()) == [[2, 3], [4], [5]]
+
+
+def test_fresh_calibration_measures_again_and_replaces_the_remembered_choice(cache_dir, measured):
+    LinearRouter(tiny_model("llama"), "auto")  # an earlier process measured {2, 3}
+    model = tiny_model("llama")
+    cached = LinearRouter.for_model(model, "auto")
+    assert (cached.transposed_rows, cached.source) == ({2, 3}, "cached")
+    fresh = LinearRouter.for_model(model, "auto", "fresh")
+    assert (fresh.transposed_rows, fresh.source, len(measured)) == ({4}, "measured", 2)
+    assert LinearRouter.for_model(model, "auto", "fresh") is fresh  # measured in this process already
+    assert LinearRouter.for_model(model, "auto") is fresh
+    later = LinearRouter(tiny_model("llama"), "auto")
+    assert (later.transposed_rows, later.source) == ({4}, "cached")
+
+
+def test_an_unreadable_cache_is_measured_over_and_an_unwritable_one_is_only_slower(cache_dir, measured, tmp_path):
+    (cache_dir / "linear-order.json").write_text("{not json")
+    router = LinearRouter(tiny_model("llama"), "auto")
+    assert (router.transposed_rows, router.source) == ({2, 3}, "measured")
+    assert json.loads((cache_dir / "linear-order.json").read_text())["entries"]  # rewritten whole
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    os.environ["CBCORE_CACHE_DIR"] = str(blocker / "cache")  # cannot be created: a file is in the way
+    router = LinearRouter(tiny_model("llama"), "auto")
+    assert (router.transposed_rows, router.source) == ({4}, "measured")
+
+
+def test_the_engine_config_selects_a_fresh_calibration(cache_dir, measured):
+    cfg = {"execution": {"linear_calibration": "fresh"}}
+    Engine(tiny_model("llama"), config=EngineConfig())
+    engine = Engine(tiny_model("llama"), config=EngineConfig.model_validate(cfg))
+    assert engine.runner.linear.transposed_rows == {4} and len(measured) == 2
+    with pytest.raises(ValueError, match="linear_calibration"):
+        EngineConfig.model_validate({"execution": {"linear_calibration": "sometimes"}})

@@ -320,6 +320,19 @@ def test_cb_profile_then_cb_simulate(cb_tiny_model_dir, tmp_path: Path, capsys) 
     assert second.steps == first.steps and second.knot_s == pytest.approx(first.knot_s)
     assert main(["profile", "--refit", "h200-llama-3-8b", "--out", str(again)]) == 2
     assert "not a measured profile with recorded steps" in capsys.readouterr().err
+    # Profiles of one set-up taken at different times fit one model over all their steps...
+    both = tmp_path / "both.json"
+    assert main(["profile", "--refit", str(prof), str(again), "--out", str(both)]) == 0
+    joined = load_profile(both)
+    assert joined.cost.steps == first.steps + second.steps and joined.identity == load_profile(prof).identity
+    assert load_profile(prof).identity.linear_transposed_rows is not None  # what the linear layers ran
+    # ...and profiles of different set-ups are refused, naming what differs.
+    other = load_profile(prof)
+    other = other.model_copy(update={"identity": other.identity.model_copy(update={"threads": 7})})
+    other.save(tmp_path / "other.json")
+    assert main(["profile", "--refit", str(prof), str(tmp_path / "other.json"), "--out", str(both)]) == 2
+    err = capsys.readouterr().err
+    assert "other.json: measured with threads 7" in err and "same machine" in err
 
 
 def test_cb_simulate_refuses_a_bad_profile_in_one_line(tmp_path: Path, capsys) -> None:

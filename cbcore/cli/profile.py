@@ -31,8 +31,10 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     parser.add_argument(
         "--refit",
+        nargs="+",
         metavar="FILE",
-        help="time nothing: fit the steps recorded in this profile again (after the model form changed)",
+        help="time nothing: fit the steps recorded in these profiles again (after the model form changed, "
+        "or to join profiles of one machine taken at different times)",
     )
     parser.set_defaults(func=run)
 
@@ -68,18 +70,30 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def refit(source: str, out: str) -> int:
+def refit(sources: list[str], out: str) -> int:
     from cbcore.sim.fitted import FittedCost
     from cbcore.sim.fitted import refit as refit_cost
     from cbcore.sim.profile import ProfileError, load_profile
 
-    try:
-        profile = load_profile(source)
-    except ProfileError as exc:
-        raise CLIError(str(exc)) from None
-    if not isinstance(profile.cost, FittedCost) or not profile.cost.steps:
-        raise CLIError(f"--refit {source}: not a measured profile with recorded steps")
-    profile = profile.model_copy(update={"cost": refit_cost(profile.cost)})
+    profiles = []
+    for source in sources:
+        try:
+            profile = load_profile(source)
+        except ProfileError as exc:
+            raise CLIError(str(exc)) from None
+        if not isinstance(profile.cost, FittedCost) or not profile.cost.steps:
+            raise CLIError(f"--refit {source}: not a measured profile with recorded steps")
+        profiles.append(profile)
+    first = profiles[0]
+    for source, other in zip(sources[1:], profiles[1:], strict=True):
+        for field in ("hardware", "model", "dtype", "backend", "threads", "linear_transposed_rows"):
+            mine, theirs = getattr(first.identity, field), getattr(other.identity, field)
+            if mine != theirs:
+                raise CLIError(
+                    f"--refit {source}: measured with {field} {theirs!r}, {sources[0]} with {mine!r}; "
+                    "only profiles of the same machine and set-up fit one model"
+                )
+    profile = first.model_copy(update={"cost": refit_cost(*(p.cost for p in profiles))})
     profile.save(out)
     summarize(profile, out)
     return 0

@@ -9,10 +9,11 @@ it already has — avoid that: no copy of the weights, only the ``[rows, out]``
 result is made contiguous again.
 
 Which order wins depends on the BLAS, the core and the row count, so it is
-measured once when an engine is built (:func:`calibrate`: both orders over
-enough of the model's own weights to stream them from memory, as a forward
-does, at each row count of interest, interleaved) and
-looked up by row count on every call. The alternative order is used only
+measured (:func:`calibrate`: both orders over enough of the model's own
+weights to stream them from memory, as a forward does, at each row count of
+interest, interleaved), remembered per machine and model
+(:mod:`cbcore.execution.linear_cache`), and looked up by row count on every
+call. The alternative order is used only
 inside an engine forward (:meth:`LinearRouter.active`): the model object stays
 a plain HF model for anyone else using it, ``generate()`` included.
 
@@ -33,11 +34,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cbcore.execution.linear_cache import calibration_key, load_choice, store_choice
 from cbcore.log import get_logger
 
 log = get_logger(__name__)
 
 LinearLayout = Literal["auto", "standard", "transposed"]
+#: ``cached``: use the choice remembered for this machine and model, measuring only if there is none;
+#: ``fresh``: measure now and remember the result.
+Calibration = Literal["cached", "fresh"]
 #: Row counts calibrated; a step with more rows than the largest uses the larger's choice.
 CALIBRATED_ROWS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
 #: The transposed order must beat the standard one by this factor to be chosen.
@@ -54,31 +59,35 @@ class LinearRouter:
     """
 
     @classmethod
-    def for_model(cls, model: nn.Module, layout: LinearLayout = "auto") -> LinearRouter:
+    def for_model(
+        cls, model: nn.Module, layout: LinearLayout = "auto", calibration: Calibration = "cached"
+    ) -> LinearRouter:
         router = getattr(model, "_cbcore_linear_router", None)
-        if router is None or router.layout != layout:
-            router = cls(model, layout)
+        reusable = router is not None and router.layout == layout and (calibration == "cached" or router.source == "measured")
+        if not reusable:
+            router = cls(model, layout, calibration)
             model._cbcore_linear_router = router  # type: ignore[assignment]
         return router
 
-    def __init__(self, model: nn.Module, layout: LinearLayout = "auto") -> None:
+    def __init__(self, model: nn.Module, layout: LinearLayout = "auto", calibration: Calibration = "cached") -> None:
         self.layout = layout
         self.modules = [m for m in model.modules() if type(m) is nn.Linear]
         self.transposed_rows: frozenset[int] = frozenset()
         self.above_max = False  # choice for row counts beyond CALIBRATED_ROWS
+        self.source = "fixed"  # or "measured" (in this process) or "cached" (by an earlier one)
         self._active = False
         device = self.modules[0].weight.device if self.modules else None
         if layout == "transposed":
             self.transposed_rows, self.above_max = frozenset(CALIBRATED_ROWS), True
         elif layout == "auto" and device is not None and device.type == "cpu":
-            self.transposed_rows = calibrate(self.modules)
+            self.transposed_rows, self.source = _calibrated(self.modules, calibration)
             self.above_max = max(CALIBRATED_ROWS) in self.transposed_rows
         for module in self.modules:
             if self.transposed_rows:
                 module.forward = _routed_forward(module, self)  # type: ignore[method-assign]
             else:  # back to the class's own forward (an earlier router may have routed it)
                 module.__dict__.pop("forward", None)
-        log.info("linear layout", transposed_rows=sorted(self.transposed_rows))
+        log.info("linear layout", transposed_rows=sorted(self.transposed_rows), source=self.source)
 
     def uses_transposed(self, rows: int) -> bool:
         if not self._active:
@@ -113,6 +122,17 @@ def _routed_forward(module: nn.Linear, router: LinearRouter):
         return F.linear(x, module.weight, module.bias)
 
     return forward
+
+
+def _calibrated(modules: list[nn.Linear], calibration: Calibration) -> tuple[frozenset[int], str]:
+    key = calibration_key(modules, f"rows {list(CALIBRATED_ROWS)} margin {MARGIN} bytes {CALIBRATION_BYTES}")
+    if calibration == "cached":
+        rows = load_choice(key)
+        if rows is not None:
+            return rows, "cached"
+    rows = calibrate(modules)
+    store_choice(key, rows)
+    return rows, "measured"
 
 
 @torch.inference_mode()

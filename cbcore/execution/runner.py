@@ -13,7 +13,7 @@ from cbcore.execution.attention import AttentionContext, check_model_supported, 
 from cbcore.execution.backend import Backend
 from cbcore.execution.batch import FlatBatch, build_flat_batch
 from cbcore.execution.kv_cache import KVCache
-from cbcore.execution.linear import LinearLayout, LinearRouter
+from cbcore.execution.linear import Calibration, LinearLayout, LinearRouter
 from cbcore.log import get_logger
 from cbcore.scheduling.plan import StepPlan
 
@@ -55,6 +55,7 @@ class ModelRunner:
         num_blocks: int,
         num_host_blocks: int = 0,
         linear_layout: LinearLayout = "auto",
+        linear_calibration: Calibration = "cached",
     ) -> None:
         check_model_supported(model)
         self.model = model.eval()
@@ -75,7 +76,7 @@ class ModelRunner:
             num_host_blocks=num_host_blocks,
         )
         self._attn = AttentionContext(backend, self.kv_cache)
-        self.linear = LinearRouter.for_model(self.model, linear_layout)
+        self.linear = LinearRouter.for_model(self.model, linear_layout, linear_calibration)
         self.num_forwards = 0
         log.info(
             "kv cache ready",

@@ -173,15 +173,22 @@ def fit_cost(shapes: Seq[StepShape], times: Seq[float], knots: Seq[int]) -> Fitt
     )
 
 
-def refit(cost: FittedCost) -> FittedCost:
-    """The timed steps a profile carries, fitted again with this version's model form."""
-    if not cost.steps:
-        raise ValueError("this profile carries no timed steps to fit again")
+def refit(*costs: FittedCost) -> FittedCost:
+    """The timed steps of one or more profiles, fitted (again) with this version's model form.
+
+    Several profiles of the same machine taken at different times fit one model
+    over all their steps: where the machine's speed drifts over minutes (a
+    shared host), a profile from one window carries that window's speed, and
+    profiles taken before and after a run bracket it.
+    """
+    if not costs or any(not c.steps for c in costs):
+        raise ValueError("a profile to fit again carries no timed steps")
+    steps = [step for c in costs for step in c.steps]  # type: ignore[union-attr]
     shapes = [
         StepShape(num_seqs=n, prefill_tokens=p, decode_tokens=d, attn_pairs=a, kv_tokens=k, sample_rows=tuple(range(r)))
-        for n, p, d, a, k, r, _ in cost.steps
+        for n, p, d, a, k, r, _ in steps
     ]
-    return fit_cost(shapes, [t for *_, t in cost.steps], cost.knots)
+    return fit_cost(shapes, [t for *_, t in steps], sorted({k for c in costs for k in c.knots}))
 
 
 def _solve(x: np.ndarray, y: np.ndarray) -> np.ndarray:

@@ -39,6 +39,11 @@ class Identity(BaseModel):
     source: Literal["measured", "roofline"]
     created: str | None = None
     torch: str | None = None
+    linear_transposed_rows: list[int] | None = Field(
+        None,
+        description="Row counts whose linear layers ran in the transposed order while measured (CPU): "
+        "a real run with another choice has other step times at those widths.",
+    )
 
 
 class Profile(BaseModel):

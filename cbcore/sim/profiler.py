@@ -11,13 +11,11 @@ chunked prefills of several sizes, and prefills joining running decodes
 
 from __future__ import annotations
 
-import platform
 import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,6 +23,7 @@ import torch
 from cbcore.config import EngineConfig
 from cbcore.engine import Engine
 from cbcore.engine_core import Executor, Sampled, StepRecord
+from cbcore.execution.linear_cache import hardware_name
 from cbcore.log import get_logger
 from cbcore.scheduling.plan import StepPlan
 from cbcore.scheduling.sampling_params import SamplingParams
@@ -178,7 +177,7 @@ def make_profile(engine: Engine, model_name: str, grid: Grid = FULL, seed: int =
     )
     param = next(engine.model.parameters())
     identity = Identity(
-        hardware=_hardware_name(param.device),
+        hardware=hardware_name(param.device),
         model=model_name,
         dtype=str(param.dtype).removeprefix("torch."),
         backend=engine.config.backend.name,
@@ -186,18 +185,6 @@ def make_profile(engine: Engine, model_name: str, grid: Grid = FULL, seed: int =
         source="measured",
         created=datetime.now(UTC).isoformat(timespec="seconds"),
         torch=torch.__version__,
+        linear_transposed_rows=sorted(engine.runner.linear.transposed_rows),
     )
     return Profile(identity=identity, model=ModelShape.of(model_name, engine.model.config), cost=cost)
-
-
-def _hardware_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        text = ""
-    for line in text.splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()

@@ -1,0 +1,110 @@
+"""Where the linear layers' product-order calibration is remembered between processes.
+
+Timed afresh at every engine build, the choice for row counts near the margin
+differs from one process to the next on a machine whose speed drifts: two
+processes that should be comparable (a ``cb profile`` and the ``cb bench`` it
+is meant to predict, or two rows of a benchmark run one after another) then
+run different kernels at 3-4 rows and their steps differ by 20-35 %. So the
+first measurement is kept per machine, model shape, thread count, dtype and
+torch version, and later engines on the same combination run that choice;
+``execution.linear_calibration: fresh`` measures again and replaces it.
+
+The file is ``linear-order.json`` in ``$CBCORE_CACHE_DIR``, else
+``$XDG_CACHE_HOME/cbcore``, else ``~/.cache/cbcore``. It is a cache: a file
+that cannot be read is measured over (with a warning), one that cannot be
+written only costs the next process its calibration time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import tempfile
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from cbcore.log import get_logger
+
+log = get_logger(__name__)
+
+CACHE_ENV = "CBCORE_CACHE_DIR"
+FILE_NAME = "linear-order.json"
+
+
+def cache_dir() -> Path:
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "cbcore"
+
+
+def hardware_name(device: torch.device | None = None) -> str:
+    """The accelerator's or CPU's model name: what a timing measured here is valid for."""
+    if device is not None and device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        text = ""
+    for line in text.splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def calibration_key(modules: list[nn.Linear], method: str) -> str:
+    """Names everything the measured choice depends on; ``method`` names the calibration itself."""
+    shapes = ",".join(f"{m.in_features}x{m.out_features}" for m in modules)
+    digest = hashlib.sha256(shapes.encode()).hexdigest()[:16]
+    dtype = str(modules[0].weight.dtype).removeprefix("torch.") if modules else "-"
+    return (
+        f"{hardware_name()} | torch {torch.__version__} | {torch.get_num_threads()} threads | {dtype} | "
+        f"{len(modules)} linears {digest} | {method}"
+    )
+
+
+def _path() -> Path:
+    return cache_dir() / FILE_NAME
+
+
+def _entries() -> dict[str, dict]:
+    path = _path()
+    if not path.exists():
+        return {}
+    try:
+        entries = json.loads(path.read_text())["entries"]
+        if not isinstance(entries, dict):
+            raise TypeError("entries is not an object")
+        return entries
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("linear calibration cache unreadable; measuring again", path=str(path), error=str(exc))
+        return {}
+
+
+def load_choice(key: str) -> frozenset[int] | None:
+    entry = _entries().get(key)
+    if entry is None:
+        return None
+    rows = entry.get("transposed_rows") if isinstance(entry, dict) else None
+    if not isinstance(rows, list) or not all(isinstance(r, int) and r > 0 for r in rows):
+        log.warning("linear calibration cache entry malformed; measuring again", path=str(_path()), key=key)
+        return None
+    return frozenset(rows)
+
+
+def store_choice(key: str, rows: frozenset[int]) -> None:
+    path = _path()
+    entries = _entries()
+    entries[key] = {"transposed_rows": sorted(rows), "measured": datetime.now(UTC).isoformat(timespec="seconds")}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=".linear-order.", delete=False) as tmp:
+            json.dump({"version": 1, "entries": entries}, tmp, indent=1)
+        os.replace(tmp.name, path)  # atomic: a concurrent reader sees the old file or the new one
+    except OSError as exc:
+        log.warning("linear calibration not cached", path=str(path), error=str(exc))
