@@ -63,8 +63,9 @@ class LinearRouter:
         cls, model: nn.Module, layout: LinearLayout = "auto", calibration: Calibration = "cached"
     ) -> LinearRouter:
         router = getattr(model, "_cbcore_linear_router", None)
-        reusable = router is not None and router.layout == layout and (calibration == "cached" or router.source == "measured")
-        if not reusable:
+        # "fresh" asks for a measurement in this process; one made here already is one.
+        fresh_enough = calibration == "cached" or (router is not None and router.source == "measured")
+        if router is None or router.layout != layout or not fresh_enough:
             router = cls(model, layout, calibration)
             model._cbcore_linear_router = router  # type: ignore[assignment]
         return router

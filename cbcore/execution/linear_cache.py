@@ -4,7 +4,7 @@ Timed afresh at every engine build, the choice for row counts near the margin
 differs from one process to the next on a machine whose speed drifts: two
 processes that should be comparable (a ``cb profile`` and the ``cb bench`` it
 is meant to predict, or two rows of a benchmark run one after another) then
-run different kernels at 3-4 rows and their steps differ by 20-35 %. So the
+run different kernels at 3-4 rows and those steps differ by 13-38 %. So the
 first measurement is kept per machine, model shape, thread count, dtype and
 torch version, and later engines on the same combination run that choice;
 ``execution.linear_calibration: fresh`` measures again and replaces it.
@@ -94,10 +94,14 @@ def store_choice(key: str, rows: frozenset[int]) -> None:
     path = _path()
     entries = _entries()
     entries[key] = {"transposed_rows": sorted(rows), "measured": datetime.now(UTC).isoformat(timespec="seconds")}
+    tmp_name = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=".linear-order.", delete=False) as tmp:
+            tmp_name = tmp.name
             json.dump({"version": 1, "entries": entries}, tmp, indent=1)
-        os.replace(tmp.name, path)  # atomic: a concurrent reader sees the old file or the new one
+        os.replace(tmp_name, path)  # atomic: a concurrent reader sees the old file or the new one
     except OSError as exc:
         log.warning("linear calibration not cached", path=str(path), error=str(exc))
+        if tmp_name is not None:
+            Path(tmp_name).unlink(missing_ok=True)
