@@ -196,9 +196,11 @@ def test_an_interrupt_keeps_every_finished_result(cb_tiny_model_dir, tmp_path):
     import sys
     import time
 
+    # Two short requests, then six long ones: the interrupt lands while seconds of work remain.
+    caps = [2, 22] + [400] * 6
     src = write_jsonl(
         tmp_path / "in.jsonl",
-        *[{"prompt": f"request {i}", "max_new_tokens": 2 + 20 * i, "id": f"r{i}"} for i in range(8)],
+        *[{"prompt": f"request {i}", "max_new_tokens": cap, "id": f"r{i}"} for i, cap in enumerate(caps)],
     )
     out_file = tmp_path / "out.jsonl"
     cmd = [sys.executable, "-m", "cbcore.cli.main", "generate", "--model", str(cb_tiny_model_dir)]
@@ -216,7 +218,7 @@ def test_an_interrupt_keeps_every_finished_result(cb_tiny_model_dir, tmp_path):
     got = records(out_file.read_text())
     assert len(got) >= 2 and len(got) < 8
     assert [r["id"] for r in got] == [f"r{i}" for i in range(len(got))]  # one at a time, in order
-    assert all(r["output_tokens"] == 2 + 20 * i or r["finish_reason"] == "stop" for i, r in enumerate(got))
+    assert all(r["output_tokens"] == caps[i] or r["finish_reason"] == "stop" for i, r in enumerate(got))
 
 
 def test_an_unwritable_output_fails_before_the_model_loads(cb_tiny_model_dir, tmp_path, capsys):
