@@ -205,7 +205,15 @@ def test_an_interrupt_keeps_every_finished_result(cb_tiny_model_dir, tmp_path):
     out_file = tmp_path / "out.jsonl"
     cmd = [sys.executable, "-m", "cbcore.cli.main", "generate", "--model", str(cb_tiny_model_dir)]
     cmd += ["-i", str(src), "-o", str(out_file), "--no-progress", "--set", "scheduler.budget.max_num_seqs=1"]
-    proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, stderr=subprocess.PIPE, text=True)
+    # A suite started in the background by a shell without job control inherits SIGINT ignored, and
+    # Python then installs no KeyboardInterrupt handler: give the child the default disposition back.
+    proc = subprocess.Popen(
+        cmd,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
         if out_file.exists() and len(out_file.read_text().splitlines()) >= 2:
@@ -216,7 +224,7 @@ def test_an_interrupt_keeps_every_finished_result(cb_tiny_model_dir, tmp_path):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
     got = records(out_file.read_text())
-    assert len(got) >= 2 and len(got) < 8
+    assert len(got) >= 2 and len(got) < len(caps)
     assert [r["id"] for r in got] == [f"r{i}" for i in range(len(got))]  # one at a time, in order
     assert all(r["output_tokens"] == caps[i] or r["finish_reason"] == "stop" for i, r in enumerate(got))
 
