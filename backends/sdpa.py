@@ -3,10 +3,16 @@
 Eager scores every query against every gathered key and masks most of the
 result away (work O(T x K)). Here each sequence only meets its own keys:
 
-- decode rows (one query each) are batched as ``[B, kv_heads, group, D]``
-  against their own keys, right-padded to the longest, with a key-padding
-  mask ``[B, 1, 1, L]``; the query heads that share a KV head ride in the
-  query-length axis, so K/V are never repeated and no ``T x K`` mask exists;
+- decode rows (one query each), on the CPU in float32, read their keys and
+  values straight out of the block pool through their block tables
+  (:mod:`cbcore.execution.paged_decode`, a small compiled kernel): nothing is
+  copied, where the general path below copies every row's keys on every
+  layer, which at 32 rows of 1,024 tokens costs more than the attention;
+- elsewhere (a GPU, half precision, ``decode: gather``) decode rows are
+  batched as ``[B, kv_heads, group, D]`` against their own keys, gathered and
+  right-padded to the longest, with a key-padding mask ``[B, 1, 1, L]``; the
+  query heads that share a KV head ride in the query-length axis, so K/V are
+  never repeated and no ``T x K`` mask exists;
 - prefill and chunk rows run one sequence at a time. A whole prompt with no
   prior context is the square causal case (``is_causal=True``, no mask); a
   chunk after earlier context needs the causal diagonal aligned to the bottom
@@ -22,13 +28,48 @@ and cached in ``batch.scratch``; every layer only gathers its own K/V.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
 
-from cbcore.execution.backend import Backend
+from cbcore.execution import paged_decode
+from cbcore.execution.backend import Backend, BackendUnavailable
 from cbcore.execution.batch import FlatBatch
 from cbcore.execution.kv_cache import KVCache
+from cbcore.log import get_logger
+
+log = get_logger(__name__)
+
+
+class SdpaParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    decode: Literal["auto", "paged", "gather"] = Field(
+        "auto",
+        description="How decode rows read their keys. paged: in place in the block pool (CPU, float32, "
+        "built with the machine's C compiler on first use); gather: copied into a padded tensor for SDPA; "
+        "auto: paged where it applies, else gather (with a warning when only the compiler is missing).",
+    )
+
+
+@dataclass(frozen=True)
+class GatheredRows:
+    """Decode rows' keys as SDPA wants them: copied out of the pool, right-padded."""
+
+    slots: torch.Tensor  # [B, L] cache slots of each row's visible keys, right-padded
+    mask: torch.Tensor | None  # [B, 1, 1, L] additive key-padding mask; None: no padding
+
+
+@dataclass(frozen=True)
+class PagedRows:
+    """Decode rows' keys as the paged kernel reads them: where they lie, nothing copied."""
+
+    tables: torch.Tensor  # [B, max_blocks] int32
+    starts: torch.Tensor  # [B] first visible position
+    counts: torch.Tensor  # [B] number of visible positions
+    block_size: int
 
 
 @dataclass(frozen=True)
@@ -36,8 +77,7 @@ class DecodePlan:
     """All single-token rows of a step, batched."""
 
     rows: torch.Tensor | None  # [B] rows of T (None: every row, in order)
-    slots: torch.Tensor  # [B, L] cache slots of each row's visible keys, right-padded
-    mask: torch.Tensor | None  # [B, 1, 1, L] additive key-padding mask; None: no padding
+    keys: GatheredRows | PagedRows
 
 
 @dataclass(frozen=True)
@@ -71,19 +111,40 @@ def _slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) 
 
 
 def build_decode_plan(
-    batch: FlatBatch, seq_ids: list[int], sliding_window: int | None, dtype: torch.dtype
+    batch: FlatBatch, seq_ids: list[int], sliding_window: int | None, dtype: torch.dtype, paged: bool
 ) -> DecodePlan:
-    """Right-padded key slots per single-token row, and the padding mask if lengths differ.
-
-    The mask is additive and already in the query dtype: SDPA would convert a
-    boolean mask on every call, this one is built once and used by every layer.
-    """
+    """Where each single-token row's visible keys lie (paged), or their padded slots and mask (gathered)."""
     device = batch.device
     starts, counts = [], []
     for i in seq_ids:
         lo, hi = visible_key_range(batch.context_lens[i], 1, sliding_window)
         starts.append(lo)
         counts.append(hi - lo)
+    rows = None
+    if len(seq_ids) != batch.num_seqs:
+        rows = batch.cu_seqlens_q.long()[torch.tensor(seq_ids, device=device)]
+    if paged:
+        tables = batch.block_tables if rows is None else batch.block_tables[torch.tensor(seq_ids)]
+        keys: GatheredRows | PagedRows = PagedRows(
+            tables.contiguous(),
+            torch.tensor(starts, dtype=torch.long),
+            torch.tensor(counts, dtype=torch.long),
+            batch.block_size,
+        )
+    else:
+        keys = gathered_rows(batch, seq_ids, starts, counts, dtype)
+    return DecodePlan(rows, keys)
+
+
+def gathered_rows(
+    batch: FlatBatch, seq_ids: list[int], starts: list[int], counts: list[int], dtype: torch.dtype
+) -> GatheredRows:
+    """Right-padded key slots per row, and the padding mask if lengths differ.
+
+    The mask is additive and already in the query dtype: SDPA would convert a
+    boolean mask on every call, this one is built once and used by every layer.
+    """
+    device = batch.device
     width = max(counts)
     offsets = torch.arange(width, device=device)
     start = torch.tensor(starts, device=device)[:, None]
@@ -98,10 +159,7 @@ def build_decode_plan(
         mask = torch.zeros(valid.shape, dtype=dtype, device=device)
         mask.masked_fill_(~valid, float("-inf"))
         mask = mask[:, None, None, :]
-    rows = None
-    if len(seq_ids) != batch.num_seqs:
-        rows = batch.cu_seqlens_q.long()[torch.tensor(seq_ids, device=device)]
-    return DecodePlan(rows, slots, mask)
+    return GatheredRows(slots, mask)
 
 
 def build_span_plan(
@@ -130,10 +188,10 @@ def build_span_plan(
     return SpanPlan(q_start, q_start + q_len, fresh, slots, mask)
 
 
-def build_plan(batch: FlatBatch, sliding_window: int | None, dtype: torch.dtype) -> SdpaPlan:
+def build_plan(batch: FlatBatch, sliding_window: int | None, dtype: torch.dtype, paged: bool) -> SdpaPlan:
     """Everything about a step's attention layout that every layer shares."""
     decode_ids = [i for i, q in enumerate(batch.query_lens) if q == 1]
-    decode = build_decode_plan(batch, decode_ids, sliding_window, dtype) if decode_ids else None
+    decode = build_decode_plan(batch, decode_ids, sliding_window, dtype, paged) if decode_ids else None
     spans = []
     q_start = 0
     for i, q_len in enumerate(batch.query_lens):
@@ -147,6 +205,34 @@ class SdpaBackend(Backend):
     """``scaled_dot_product_attention`` per sequence; work ∝ Σ q_len x own keys."""
 
     name = "sdpa"
+    Params = SdpaParams
+
+    def __init__(self, params: BaseModel | None = None) -> None:
+        super().__init__(params)
+        self._paged: bool | None = None  # decided by check()
+
+    def check(self, device: torch.device, block_size: int, dtype: torch.dtype) -> None:
+        super().check(device, block_size, dtype)
+        self._paged = self._use_paged_kernel(torch.device(device), dtype)
+
+    def _use_paged_kernel(self, device: torch.device, dtype: torch.dtype) -> bool:
+        mode = self.params.decode
+        if mode == "gather":
+            return False
+        if device.type != "cpu" or dtype != torch.float32:
+            if mode == "paged":
+                raise BackendUnavailable(
+                    f"backend 'sdpa' with decode='paged' runs on the CPU in float32, the model is {dtype} on "
+                    f"{device}; use decode='auto' or 'gather'"
+                )
+            return False
+        reason = paged_decode.unavailable_reason()
+        if reason is None:
+            return True
+        if mode == "paged":
+            raise BackendUnavailable(f"backend 'sdpa' with decode='paged': {reason}")
+        log.warning("sdpa decode gathers keys: the paged CPU kernel is unavailable", reason=reason)
+        return False
 
     def forward(
         self,
@@ -159,7 +245,9 @@ class SdpaBackend(Backend):
         scaling: float,
         sliding_window: int | None,
     ) -> torch.Tensor:
-        plan = self.plan(batch, sliding_window, query.dtype)
+        if self._paged is None:
+            self.check(query.device, kv_cache.block_size, query.dtype)
+        plan = self.plan(batch, sliding_window, query.dtype, bool(self._paged))
         k_pool, v_pool = kv_cache.k[layer_idx], kv_cache.v[layer_idx]  # [slots, Hkv, D]
         if plan.decode is not None and plan.decode.rows is None:
             return self._decode(query, k_pool, v_pool, plan.decode, scaling)
@@ -173,26 +261,38 @@ class SdpaBackend(Backend):
         return out
 
     @staticmethod
-    def plan(batch: FlatBatch, sliding_window: int | None, dtype: torch.dtype) -> SdpaPlan:
-        key = ("sdpa", sliding_window, dtype)
+    def plan(batch: FlatBatch, sliding_window: int | None, dtype: torch.dtype, paged: bool) -> SdpaPlan:
+        key = ("sdpa", sliding_window, dtype, paged)
         plan = batch.scratch.get(key)
         if plan is None:
-            plan = batch.scratch[key] = build_plan(batch, sliding_window, dtype)
+            plan = batch.scratch[key] = build_plan(batch, sliding_window, dtype, paged)
         return plan
 
     @staticmethod
     def _decode(
         query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: DecodePlan, scaling: float
     ) -> torch.Tensor:
+        keys = plan.keys
+        if isinstance(keys, PagedRows):
+            return paged_decode.paged_decode(
+                query.contiguous(),
+                k_pool,
+                v_pool,
+                keys.tables,
+                keys.starts,
+                keys.counts,
+                keys.block_size,
+                scaling,
+            )
         num_rows, num_heads, head_dim = query.shape
         num_kv_heads = k_pool.shape[1]
         # [B, Hkv, G, D]: the group's query heads share one KV head's keys and one mask row.
         q = query.reshape(num_rows, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        flat = plan.slots.view(-1)
-        shape = (num_rows, plan.slots.shape[1], num_kv_heads, head_dim)
+        flat = keys.slots.view(-1)
+        shape = (num_rows, keys.slots.shape[1], num_kv_heads, head_dim)
         k = k_pool.index_select(0, flat).view(shape).transpose(1, 2)  # [B, Hkv, L, D]
         v = v_pool.index_select(0, flat).view(shape).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.mask, scale=scaling)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=keys.mask, scale=scaling)
         return out.reshape(num_rows, num_heads, head_dim)
 
     @staticmethod

@@ -1,0 +1,124 @@
+/* Decode attention read straight out of the paged KV pool, on the CPU.
+ *
+ * One query token per row attends to that row's keys, found through its block
+ * table, without first copying them into a right-padded tensor: every key and
+ * value is read once, in the pool's own order (a block's slots are
+ * contiguous), and each row is one unit of work, so a row's keys for all its
+ * KV heads are read together.
+ *
+ * Shapes (all contiguous, float32):
+ *   query, out          [rows, heads, head_dim]
+ *   k_pool, v_pool      [slots, kv_heads, head_dim]   slot = block * block_size + offset
+ *   tables              [rows, table_stride] int32    a row's blocks, in order
+ *   starts, counts      [rows] int64                  the row sees positions [start, start + count)
+ * Query head h reads KV head h / (heads / kv_heads) (grouped-query attention).
+ *
+ * Returns 0; 1 when scratch memory could not be allocated; 2 when a row's
+ * positions or blocks lie outside its table or the pool (nothing is read
+ * there: the inputs are checked before they are followed).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t d = 0; d < n; d++) s += a[d] * b[d];
+    return s;
+}
+
+static inline void add_scaled(float *restrict y, float p, const float *restrict x, int64_t n) {
+#pragma omp simd
+    for (int64_t d = 0; d < n; d++) y[d] += p * x[d];
+}
+
+/* First slot of position `pos` and how many positions from it lie in the same block (at most `left`). */
+static inline int64_t run_at(const int32_t *table, int64_t block_size, int64_t pos, int64_t left, int64_t *run) {
+    const int64_t block = pos / block_size, offset = pos - block * block_size;
+    *run = block_size - offset < left ? block_size - offset : left;
+    return (int64_t)table[block] * block_size + offset;
+}
+
+/* Every position a row will read, checked against its table and the pool; the longest row's length. */
+static int check_rows(const int32_t *tables, int64_t table_stride, const int64_t *starts, const int64_t *counts,
+                      int64_t rows, int64_t block_size, int64_t num_blocks, int64_t *max_count) {
+    *max_count = 1;
+    for (int64_t row = 0; row < rows; row++) {
+        const int64_t start = starts[row], n = counts[row];
+        if (start < 0 || n < 1 || start + n > table_stride * block_size) return 0;
+        for (int64_t b = start / block_size; b <= (start + n - 1) / block_size; b++) {
+            const int32_t block = tables[row * table_stride + b];
+            if (block < 0 || block >= num_blocks) return 0;
+        }
+        if (n > *max_count) *max_count = n;
+    }
+    return 1;
+}
+
+int cb_paged_decode_f32(const float *query, const float *k_pool, const float *v_pool, const int32_t *tables,
+                        int64_t table_stride, const int64_t *starts, const int64_t *counts, float *out,
+                        int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
+                        int64_t num_blocks, float scale, int threads) {
+    const int64_t group = heads / kv_heads;
+    const int64_t slot_stride = kv_heads * head_dim;
+    int64_t max_count;
+    if (!check_rows(tables, table_stride, starts, counts, rows, block_size, num_blocks, &max_count)) return 2;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        /* Per thread: softmax weights [heads, max_count], accumulators [heads, head_dim], sums [heads]. */
+        float *weights = malloc(sizeof(float) * heads * max_count);
+        float *acc = malloc(sizeof(float) * heads * head_dim);
+        float *sums = malloc(sizeof(float) * heads);
+        if (weights == NULL || acc == NULL || sums == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+#pragma omp for schedule(dynamic)
+            for (int64_t row = 0; row < rows; row++) {
+                const int32_t *table = tables + row * table_stride;
+                const int64_t start = starts[row], n = counts[row];
+                const float *q = query + row * heads * head_dim;
+                int64_t run;
+                /* Scores, one pass over the keys. */
+                for (int64_t pos = start, l = 0; pos < start + n; pos += run) {
+                    const float *k = k_pool + run_at(table, block_size, pos, start + n - pos, &run) * slot_stride;
+                    for (int64_t i = 0; i < run; i++, l++, k += slot_stride)
+                        for (int64_t h = 0; h < heads; h++)
+                            weights[h * n + l] = dot(q + h * head_dim, k + (h / group) * head_dim, head_dim) * scale;
+                }
+                /* Softmax per head; the sum divides the output at the end. */
+                for (int64_t h = 0; h < heads; h++) {
+                    float *w = weights + h * n;
+                    float max = -INFINITY, sum = 0.f;
+                    for (int64_t l = 0; l < n; l++) max = w[l] > max ? w[l] : max;
+                    for (int64_t l = 0; l < n; l++) {
+                        w[l] = expf(w[l] - max);
+                        sum += w[l];
+                    }
+                    sums[h] = sum;
+                    for (int64_t d = 0; d < head_dim; d++) acc[h * head_dim + d] = 0.f;
+                }
+                /* Weighted values, one pass. */
+                for (int64_t pos = start, l = 0; pos < start + n; pos += run) {
+                    const float *v = v_pool + run_at(table, block_size, pos, start + n - pos, &run) * slot_stride;
+                    for (int64_t i = 0; i < run; i++, l++, v += slot_stride)
+                        for (int64_t h = 0; h < heads; h++)
+                            add_scaled(acc + h * head_dim, weights[h * n + l], v + (h / group) * head_dim, head_dim);
+                }
+                for (int64_t h = 0; h < heads; h++) {
+                    float *o = out + (row * heads + h) * head_dim;
+                    const float inv = 1.f / sums[h];
+                    for (int64_t d = 0; d < head_dim; d++) o[d] = acc[h * head_dim + d] * inv;
+                }
+            }
+        }
+        free(weights);
+        free(acc);
+        free(sums);
+    }
+    return failed;
+}

@@ -1,0 +1,101 @@
+"""The compiled paged decode kernel: built once per machine, refuses what it cannot read, never guesses."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from attention_batches import packed_step
+
+from cbcore.backends.eager import EagerBackend
+from cbcore.backends.sdpa import SdpaBackend
+from cbcore.execution import paged_decode
+from cbcore.execution.backend import BackendUnavailable
+
+SCALE = 0.125
+
+
+@pytest.fixture
+def fresh_kernel(monkeypatch, tmp_path):
+    """A process that has not loaded the kernel yet, with its own cache directory."""
+    monkeypatch.setenv("CBCORE_CACHE_DIR", str(tmp_path))
+    paged_decode._kernel.cache_clear()
+    yield tmp_path
+    paged_decode._kernel.cache_clear()
+
+
+def pool_and_rows(rows=2, blocks=6, block_size=4, heads=4, kv_heads=2, head_dim=8):
+    torch.manual_seed(0)
+    k = torch.randn(blocks * block_size, kv_heads, head_dim)
+    v = torch.randn(blocks * block_size, kv_heads, head_dim)
+    q = torch.randn(rows, heads, head_dim)
+    tables = torch.arange(rows * 3, dtype=torch.int32).view(rows, 3)
+    starts = torch.zeros(rows, dtype=torch.long)
+    counts = torch.full((rows,), 10, dtype=torch.long)
+    return q, k, v, tables, starts, counts
+
+
+def test_built_on_first_use_then_loaded_from_the_cache(fresh_kernel):
+    assert paged_decode.unavailable_reason() is None
+    assert paged_decode._kernel()[1].startswith("built ")
+    (library,) = (fresh_kernel / "kernels").glob("paged_decode-*.so")
+    paged_decode._kernel.cache_clear()
+    assert paged_decode._kernel()[1] == f"cached {library}"
+
+
+@pytest.mark.parametrize(
+    ("change", "what"),
+    [
+        (lambda t, s, c: t.__setitem__((1, 2), 99), "block 99 of a 6-block pool"),
+        (lambda t, s, c: t.__setitem__((0, 0), -1), "a negative block"),
+        (lambda t, s, c: c.__setitem__(1, 13), "positions past the row's table"),
+        (lambda t, s, c: s.__setitem__(0, -1), "a negative start"),
+        (lambda t, s, c: c.__setitem__(0, 0), "a row with no key"),
+    ],
+)
+def test_rows_outside_the_table_or_pool_are_refused_before_reading(change, what):
+    q, k, v, tables, starts, counts = pool_and_rows()
+    change(tables, starts, counts)
+    with pytest.raises(ValueError, match="outside its block table or the pool"):
+        paged_decode.paged_decode(q, k, v, tables, starts, counts, 4, SCALE)
+
+
+def test_tensors_it_cannot_read_are_named():
+    q, k, v, tables, starts, counts = pool_and_rows()
+    with pytest.raises(ValueError, match=r"tables must be a contiguous CPU torch\.int32"):
+        paged_decode.paged_decode(q, k, v, tables.long(), starts, counts, 4, SCALE)
+    with pytest.raises(
+        ValueError, match=r"query must be a contiguous CPU torch\.float32 tensor, got non-contiguous"
+    ):
+        paged_decode.paged_decode(q.transpose(0, 1), k, v, tables, starts, counts, 4, SCALE)
+    with pytest.raises(ValueError, match="does not fit the pool"):
+        paged_decode.paged_decode(q[:, :3].contiguous(), k, v, tables, starts, counts, 4, SCALE)
+
+
+def test_no_compiler_gathers_with_a_warning_or_refuses_when_paged_was_asked(
+    fresh_kernel, monkeypatch, caplog
+):
+    monkeypatch.setenv("CC", "no-such-cc")
+    assert "no C compiler found ('no-such-cc'" in paged_decode.unavailable_reason()
+    with pytest.raises(BackendUnavailable, match="decode='paged': no C compiler found"):
+        SdpaBackend(SdpaBackend.Params(decode="paged")).check(torch.device("cpu"), 16, torch.float32)
+    step = packed_step([(12, 1), (3, 1)])
+    backend = SdpaBackend()
+    with caplog.at_level(logging.WARNING):
+        fast = backend.forward(step.query, step.key, step.value, 0, step.batch, step.cache, SCALE, None)
+    assert "paged CPU kernel is unavailable" in caplog.text
+    eager = EagerBackend().forward(step.query, step.key, step.value, 0, step.batch, step.cache, SCALE, None)
+    torch.testing.assert_close(fast, eager, atol=2e-6, rtol=1e-5)
+
+
+def test_a_failed_build_says_why(fresh_kernel, monkeypatch):
+    monkeypatch.setenv("CC", "false")
+    reason = paged_decode.unavailable_reason()
+    assert "could not build paged_decode.c (exit 1)" in reason
+    assert not list((fresh_kernel / "kernels").glob("*.so"))  # no half-written library left behind
+
+
+def test_paged_refuses_a_setup_it_does_not_run():
+    with pytest.raises(BackendUnavailable, match=r"runs on the CPU in float32, the model is torch\.bfloat16"):
+        SdpaBackend(SdpaBackend.Params(decode="paged")).check(torch.device("cpu"), 16, torch.bfloat16)
