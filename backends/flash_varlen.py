@@ -230,6 +230,12 @@ class FlashVarlenBackend(Backend):
         self._kernel = (name, fn)
         log.info("flash-varlen kernel", kernel=name, source=text, paged=self.params.paged)
 
+    @property
+    def variant(self) -> str | None:
+        if self._kernel is None:
+            return None
+        return f"kernel {self._kernel[0]}, {'paged' if self.params.paged else 'gathered'}"
+
     def forward(
         self,
         query: torch.Tensor,

@@ -215,6 +215,12 @@ class SdpaBackend(Backend):
         super().check(device, block_size, dtype)
         self._paged = self._use_paged_kernel(torch.device(device), dtype)
 
+    @property
+    def variant(self) -> str | None:
+        if self._paged is None:
+            return None
+        return "decode paged" if self._paged else "decode gather"
+
     def _use_paged_kernel(self, device: torch.device, dtype: torch.dtype) -> bool:
         mode = self.params.decode
         if mode == "gather":

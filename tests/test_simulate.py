@@ -326,6 +326,7 @@ def test_cb_profile_then_cb_simulate(cb_tiny_model_dir, tmp_path: Path, capsys) 
     joined = load_profile(both)
     assert joined.cost.steps == first.steps + second.steps and joined.identity == load_profile(prof).identity
     assert load_profile(prof).identity.linear_transposed_rows is not None  # what the linear layers ran
+    assert load_profile(prof).identity.backend_variant == "decode paged"  # and the attention
     # ...and profiles of different set-ups are refused, naming what differs.
     other = load_profile(prof)
     other = other.model_copy(update={"identity": other.identity.model_copy(update={"threads": 7})})
@@ -333,6 +334,13 @@ def test_cb_profile_then_cb_simulate(cb_tiny_model_dir, tmp_path: Path, capsys) 
     assert main(["profile", "--refit", str(prof), str(tmp_path / "other.json"), "--out", str(both)]) == 2
     err = capsys.readouterr().err
     assert "other.json: measured with threads 7" in err and "same machine" in err
+    gathered = load_profile(prof)
+    gathered = gathered.model_copy(
+        update={"identity": gathered.identity.model_copy(update={"backend_variant": "decode gather"})}
+    )
+    gathered.save(tmp_path / "gathered.json")
+    assert main(["profile", "--refit", str(prof), str(tmp_path / "gathered.json"), "--out", str(both)]) == 2
+    assert "measured with backend_variant 'decode gather'" in capsys.readouterr().err
 
 
 def test_cb_simulate_refuses_a_bad_profile_in_one_line(tmp_path: Path, capsys) -> None:

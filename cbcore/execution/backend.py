@@ -49,6 +49,15 @@ class Backend:
                 f"backend {self.name!r} needs kv_cache.block_size to be a multiple of {multiple}, got {block_size}"
             )
 
+    @property
+    def variant(self) -> str | None:
+        """Which of its code paths this backend runs, once :meth:`check` has decided (None: only one).
+
+        Recorded with profiles and logged at start: two runs of one backend on
+        different paths have different step costs.
+        """
+        return None
+
     def forward(
         self,
         query: torch.Tensor,  # [T, num_heads, head_dim]

@@ -81,6 +81,7 @@ class ModelRunner:
         log.info(
             "kv cache ready",
             backend=backend.name,
+            variant=backend.variant,
             num_blocks=num_blocks,
             block_size=self.block_size,
             host_blocks=num_host_blocks,

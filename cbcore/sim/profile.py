@@ -35,6 +35,9 @@ class Identity(BaseModel):
     model: str
     dtype: Literal["float32", "float16", "bfloat16"]
     backend: str
+    backend_variant: str | None = Field(
+        None, description="The backend's code path while measured (sdpa: 'decode paged' or 'decode gather')."
+    )
     threads: PositiveInt | None = Field(None, description="torch threads when measured; None for a roofline.")
     source: Literal["measured", "roofline"]
     created: str | None = None

@@ -181,6 +181,7 @@ def make_profile(engine: Engine, model_name: str, grid: Grid = FULL, seed: int =
         model=model_name,
         dtype=str(param.dtype).removeprefix("torch."),
         backend=engine.config.backend.name,
+        backend_variant=engine.runner.backend.variant,
         threads=torch.get_num_threads(),
         source="measured",
         created=datetime.now(UTC).isoformat(timespec="seconds"),
