@@ -69,6 +69,8 @@ def test_tensors_it_cannot_read_are_named():
         ValueError, match=r"query must be a contiguous CPU torch\.float32 tensor, got non-contiguous"
     ):
         paged_decode.paged_decode(q.transpose(0, 1), k, v, tables, starts, counts, 4, SCALE)
+    with pytest.raises(ValueError, match="not made of blocks of 5"):
+        paged_decode.paged_decode(q, k, v, tables, starts, counts, 5, SCALE)
     with pytest.raises(ValueError, match="does not fit the pool"):
         paged_decode.paged_decode(q[:, :3].contiguous(), k, v, tables, starts, counts, 4, SCALE)
 

@@ -142,7 +142,9 @@ def paged_decode(
             raise ValueError(
                 f"paged_decode: {name} must be a contiguous CPU {dtype} tensor, got {layout} {t.dtype} on {t.device}"
             )
-    if heads % kv_heads or k_pool.shape != v_pool.shape or k_pool.shape[2] != head_dim:
+    if block_size < 1 or k_pool.shape[0] % block_size:
+        raise ValueError(f"paged_decode: a pool of {k_pool.shape[0]} slots is not made of blocks of {block_size}")
+    if not kv_heads or heads % kv_heads or k_pool.shape != v_pool.shape or k_pool.shape[2] != head_dim:
         raise ValueError(
             f"paged_decode: query {tuple(query.shape)} does not fit the pool {tuple(k_pool.shape)}"
         )
