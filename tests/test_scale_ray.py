@@ -110,7 +110,9 @@ def test_two_replicas_answer_token_for_token_like_one_engine_and_take_turns(
 def test_prefix_affinity_keeps_a_shared_prefix_on_one_replica(port: int, cb_tiny_model_dir: Path) -> None:
     url = deploy(cb_tiny_model_dir, port, {"name": "prefix-affinity", "block_size": 4, "num_blocks": 2})
     c = client(url)
-    groups = [[g * 10 + k for k in range(1, 9)] for g in range(1, 7)]  # six 8-token prefixes
+    # Sixteen 8-token prefixes: rendezvous hashing over two random replica ids puts all of them on one
+    # replica with probability 2 / 2**16 (with six, 1 in 32: this test failed once that way).
+    groups = [[g * 10 + k for k in range(1, 9)] for g in range(1, 17)]
     for rep in range(3):
         for prefix in groups:
             complete(c, [*prefix, 200 + rep], 2, stream=False)
