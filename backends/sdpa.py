@@ -38,6 +38,7 @@ from cbcore.execution import paged_decode
 from cbcore.execution.backend import Backend, BackendUnavailable
 from cbcore.execution.batch import FlatBatch
 from cbcore.execution.kv_cache import KVCache
+from cbcore.execution.paged_decode import PagedRows
 from cbcore.log import get_logger
 
 log = get_logger(__name__)
@@ -60,16 +61,6 @@ class GatheredRows:
 
     slots: torch.Tensor  # [B, L] cache slots of each row's visible keys, right-padded
     mask: torch.Tensor | None  # [B, 1, 1, L] additive key-padding mask; None: no padding
-
-
-@dataclass(frozen=True)
-class PagedRows:
-    """Decode rows' keys as the paged kernel reads them: where they lie, nothing copied."""
-
-    tables: torch.Tensor  # [B, max_blocks] int32
-    starts: torch.Tensor  # [B] first visible position
-    counts: torch.Tensor  # [B] number of visible positions
-    block_size: int
 
 
 @dataclass(frozen=True)
@@ -280,16 +271,7 @@ class SdpaBackend(Backend):
     ) -> torch.Tensor:
         keys = plan.keys
         if isinstance(keys, PagedRows):
-            return paged_decode.paged_decode(
-                query.contiguous(),
-                k_pool,
-                v_pool,
-                keys.tables,
-                keys.starts,
-                keys.counts,
-                keys.block_size,
-                scaling,
-            )
+            return paged_decode.paged_decode(query.contiguous(), k_pool, v_pool, keys, scaling)
         num_rows, num_heads, head_dim = query.shape
         num_kv_heads = k_pool.shape[1]
         # [B, Hkv, G, D]: the group's query heads share one KV head's keys and one mask row.

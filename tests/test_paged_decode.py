@@ -58,21 +58,21 @@ def test_rows_outside_the_table_or_pool_are_refused_before_reading(change, what)
     q, k, v, tables, starts, counts = pool_and_rows()
     change(tables, starts, counts)
     with pytest.raises(ValueError, match="outside its block table or the pool"):
-        paged_decode.paged_decode(q, k, v, tables, starts, counts, 4, SCALE)
+        paged_decode.paged_decode(q, k, v, paged_decode.PagedRows(tables, starts, counts, 4), SCALE)
 
 
 def test_tensors_it_cannot_read_are_named():
     q, k, v, tables, starts, counts = pool_and_rows()
     with pytest.raises(ValueError, match=r"tables must be a contiguous CPU torch\.int32"):
-        paged_decode.paged_decode(q, k, v, tables.long(), starts, counts, 4, SCALE)
+        paged_decode.PagedRows(tables.long(), starts, counts, 4)
     with pytest.raises(
         ValueError, match=r"query must be a contiguous CPU torch\.float32 tensor, got non-contiguous"
     ):
-        paged_decode.paged_decode(q.transpose(0, 1), k, v, tables, starts, counts, 4, SCALE)
+        paged_decode.paged_decode(q.transpose(0, 1), k, v, paged_decode.PagedRows(tables, starts, counts, 4), SCALE)
     with pytest.raises(ValueError, match="not made of blocks of 5"):
-        paged_decode.paged_decode(q, k, v, tables, starts, counts, 5, SCALE)
+        paged_decode.paged_decode(q, k, v, paged_decode.PagedRows(tables, starts, counts, 5), SCALE)
     with pytest.raises(ValueError, match="does not fit the pool"):
-        paged_decode.paged_decode(q[:, :3].contiguous(), k, v, tables, starts, counts, 4, SCALE)
+        paged_decode.paged_decode(q[:, :3].contiguous(), k, v, paged_decode.PagedRows(tables, starts, counts, 4), SCALE)
 
 
 def test_no_compiler_gathers_with_a_warning_or_refuses_when_paged_was_asked(

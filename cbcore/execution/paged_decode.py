@@ -26,6 +26,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -113,14 +114,39 @@ def unavailable_reason() -> str | None:
     return None if fn is not None else text
 
 
+def _check(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
+    if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous():
+        layout = "contiguous" if t.is_contiguous() else "non-contiguous"
+        raise ValueError(
+            f"paged_decode: {name} must be a contiguous CPU {dtype} tensor, got {layout} {t.dtype} on {t.device}"
+        )
+
+
+@dataclass(frozen=True)
+class PagedRows:
+    """Where each decode row's keys lie: checked once when a step's plan is built, read by every layer."""
+
+    tables: torch.Tensor  # [rows, max_blocks] int32
+    starts: torch.Tensor  # [rows] int64: first visible position
+    counts: torch.Tensor  # [rows] int64: number of visible positions
+    block_size: int
+
+    def __post_init__(self) -> None:
+        _check("tables", self.tables, torch.int32)
+        _check("starts", self.starts, torch.int64)
+        _check("counts", self.counts, torch.int64)
+        rows = self.tables.shape[0]
+        if self.tables.dim() != 2 or self.starts.shape != (rows,) or self.counts.shape != (rows,):
+            raise ValueError(f"paged_decode: tables/starts/counts must have {rows} rows")
+        if self.block_size < 1:
+            raise ValueError(f"paged_decode: block_size must be positive, got {self.block_size}")
+
+
 def paged_decode(
     query: torch.Tensor,  # [rows, heads, head_dim] float32
     k_pool: torch.Tensor,  # [slots, kv_heads, head_dim]
     v_pool: torch.Tensor,
-    tables: torch.Tensor,  # [rows, max_blocks] int32
-    starts: torch.Tensor,  # [rows] int64: first visible position
-    counts: torch.Tensor,  # [rows] int64: number of visible positions
-    block_size: int,
+    keys: PagedRows,
     scale: float,
 ) -> torch.Tensor:
     """Each row's single query attends to positions ``[start, start + count)`` of its own blocks."""
@@ -129,31 +155,20 @@ def paged_decode(
         raise KernelUnavailable(text)
     rows, heads, head_dim = query.shape
     kv_heads = k_pool.shape[1]
-    for name, t, dtype in (
-        ("query", query, torch.float32),
-        ("k_pool", k_pool, torch.float32),
-        ("v_pool", v_pool, torch.float32),
-        ("tables", tables, torch.int32),
-        ("starts", starts, torch.int64),
-        ("counts", counts, torch.int64),
-    ):
-        if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous():
-            layout = "contiguous" if t.is_contiguous() else "non-contiguous"
-            raise ValueError(
-                f"paged_decode: {name} must be a contiguous CPU {dtype} tensor, got {layout} {t.dtype} on {t.device}"
-            )
-    if block_size < 1 or k_pool.shape[0] % block_size:
+    _check("query", query, torch.float32)
+    _check("k_pool", k_pool, torch.float32)
+    _check("v_pool", v_pool, torch.float32)
+    block_size = keys.block_size
+    if k_pool.shape[0] % block_size:
         raise ValueError(f"paged_decode: a pool of {k_pool.shape[0]} slots is not made of blocks of {block_size}")
     if not kv_heads or heads % kv_heads or k_pool.shape != v_pool.shape or k_pool.shape[2] != head_dim:
-        raise ValueError(
-            f"paged_decode: query {tuple(query.shape)} does not fit the pool {tuple(k_pool.shape)}"
-        )
-    if tables.shape[0] != rows or starts.shape != (rows,) or counts.shape != (rows,):
-        raise ValueError(f"paged_decode: tables/starts/counts must have {rows} rows")
+        raise ValueError(f"paged_decode: query {tuple(query.shape)} does not fit the pool {tuple(k_pool.shape)}")
+    if keys.tables.shape[0] != rows:
+        raise ValueError(f"paged_decode: {keys.tables.shape[0]} rows of block tables for {rows} queries")
     out = torch.empty_like(query)
     failed = fn(
-        query.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), tables.data_ptr(), tables.shape[1],
-        starts.data_ptr(), counts.data_ptr(), out.data_ptr(),
+        query.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), keys.tables.data_ptr(), keys.tables.shape[1],
+        keys.starts.data_ptr(), keys.counts.data_ptr(), out.data_ptr(),
         rows, heads, kv_heads, head_dim, block_size, k_pool.shape[0] // block_size, scale, torch.get_num_threads(),
     )  # fmt: skip
     if failed == 1:
