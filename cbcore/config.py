@@ -109,10 +109,11 @@ class ExecutionConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    linear_layout: Literal["auto", "standard", "transposed"] = Field(
+    linear_layout: Literal["auto", "standard", "transposed", "skinny"] = Field(
         "auto",
-        description="Product order of the linear layers inside engine steps: standard (x @ W.T), "
-        "transposed ((W @ x.T).T), or auto: measured per row count (CPU), once per machine and model.",
+        description="How the linear layers multiply inside engine steps: standard (x @ W.T), "
+        "transposed ((W @ x.T).T), skinny (cbcore's kernel for few rows, CPU float32), "
+        "or auto: the fastest measured per row count (CPU), once per machine and model.",
     )
     linear_calibration: Literal["cached", "fresh"] = Field(
         "cached",

@@ -150,9 +150,9 @@ def test_float32_greedy_with_prefix_cache_hits_is_token_exact(models, backend, m
             assert events["own_prefix"] > 0, events
 
 
-@pytest.mark.parametrize("layout", ["transposed", "standard"])
+@pytest.mark.parametrize("layout", ["transposed", "skinny", "standard"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_float32_greedy_is_token_exact_in_either_linear_order(models, references, family, layout):
+def test_float32_greedy_is_token_exact_in_every_linear_order(models, references, family, layout):
     """The linear layers' product order (chosen per row count on CPU) keeps the tokens."""
     model = models[family]
     mix = MIXES["priority+chunked+swap"]
@@ -160,7 +160,7 @@ def test_float32_greedy_is_token_exact_in_either_linear_order(models, references
         {**mix, "backend": {"name": "sdpa"}, "execution": {"linear_layout": layout}}
     )
     engine = Engine(model, config=config)
-    assert bool(engine.runner.linear.transposed_rows) == (layout == "transposed")
+    assert set(engine.runner.linear.orders.values()) == ({layout} - {"standard"})
     outputs = engine.generate(PROMPTS, [SamplingParams(max_new_tokens=c) for c in CAPS])
     assert_equivalent(compare_greedy(model, outputs, references[family]))
 

@@ -325,7 +325,7 @@ def test_cb_profile_then_cb_simulate(cb_tiny_model_dir, tmp_path: Path, capsys) 
     assert main(["profile", "--refit", str(prof), str(again), "--out", str(both)]) == 0
     joined = load_profile(both)
     assert joined.cost.steps == first.steps + second.steps and joined.identity == load_profile(prof).identity
-    assert load_profile(prof).identity.linear_transposed_rows is not None  # what the linear layers ran
+    assert load_profile(prof).identity.linear_orders is not None  # what the linear layers ran
     assert load_profile(prof).identity.backend_variant == "decode paged"  # and the attention
     # ...and profiles of different set-ups are refused, naming what differs.
     other = load_profile(prof)

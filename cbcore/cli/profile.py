@@ -86,7 +86,7 @@ def refit(sources: list[str], out: str) -> int:
         profiles.append(profile)
     first = profiles[0]
     for source, other in zip(sources[1:], profiles[1:], strict=True):
-        for field in ("hardware", "model", "dtype", "backend", "backend_variant", "threads", "linear_transposed_rows"):
+        for field in ("hardware", "model", "dtype", "backend", "backend_variant", "threads", "linear_orders"):
             mine, theirs = getattr(first.identity, field), getattr(other.identity, field)
             if mine != theirs:
                 raise CLIError(

@@ -79,27 +79,35 @@ def _entries() -> dict[str, dict]:
         return {}
 
 
-def load_choice(key: str) -> frozenset[int] | None:
+def load_choice(key: str, orders: tuple[str, ...]) -> dict[int, str] | None:
+    """The remembered row count -> order map, if there is a sound one using only ``orders``."""
     entry = _entries().get(key)
     if entry is None:
         return None
-    rows = entry.get("transposed_rows") if isinstance(entry, dict) else None
-    if not isinstance(rows, list) or not all(isinstance(r, int) and r > 0 for r in rows):
+    chosen = entry.get("orders") if isinstance(entry, dict) else None
+    try:
+        parsed = {int(rows): order for rows, order in chosen.items()}  # type: ignore[union-attr]
+    except (AttributeError, TypeError, ValueError):
+        parsed = None
+    if parsed is None or not all(rows > 0 and order in orders for rows, order in parsed.items()):
         log.warning("linear calibration cache entry malformed; measuring again", path=str(_path()), key=key)
         return None
-    return frozenset(rows)
+    return parsed
 
 
-def store_choice(key: str, rows: frozenset[int]) -> None:
+def store_choice(key: str, orders: dict[int, str]) -> None:
     path = _path()
     entries = _entries()
-    entries[key] = {"transposed_rows": sorted(rows), "measured": datetime.now(UTC).isoformat(timespec="seconds")}
+    entries[key] = {
+        "orders": {str(rows): orders[rows] for rows in sorted(orders)},
+        "measured": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
     tmp_name = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=".linear-order.", delete=False) as tmp:
             tmp_name = tmp.name
-            json.dump({"version": 1, "entries": entries}, tmp, indent=1)
+            json.dump({"version": 2, "entries": entries}, tmp, indent=1)
         os.replace(tmp_name, path)  # atomic: a concurrent reader sees the old file or the new one
     except OSError as exc:
         log.warning("linear calibration not cached", path=str(path), error=str(exc))

@@ -4,108 +4,34 @@ The ``sdpa`` backend's decode rows otherwise copy every row's keys and values
 out of the block pool into a right-padded tensor on every layer, then run
 SDPA over the copy: at 32 rows of 1,024 tokens that copy alone is most of
 the attention's time. ``paged_decode.c`` reads the pool in place through the
-block tables instead (one pass over the keys, one over the values).
-
-The C file is compiled on first use with the machine's C compiler (``$CC``,
-else ``cc``) for this CPU (``-march=native``) and kept under cbcore's cache
-directory, named by a hash of the source, the flags, the compiler and the CPU
-model, so a later process loads it in milliseconds and a changed CPU or
-source builds anew. It is linked against the OpenMP runtime torch has
-already loaded, so its threads are torch's threads. Where no compiler is
-found or the build fails, :func:`unavailable_reason` says why, and the
-backend decides (see ``backends/sdpa.py``).
+block tables instead (one pass over the keys, one over the values). It is
+built and loaded by :mod:`cbcore.execution.native`; where it cannot be,
+:func:`unavailable_reason` says why, and the backend decides (see
+``backends/sdpa.py``).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from cbcore.cache import cache_root
-from cbcore.execution.linear_cache import hardware_name
-from cbcore.log import get_logger
+from cbcore.execution.native import KernelUnavailable, load_kernel
 
-log = get_logger(__name__)
+__all__ = ["KernelUnavailable", "PagedRows", "paged_decode", "unavailable_reason"]
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
-FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _ARGTYPES = [_P, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, ctypes.c_int]
-
-
-class KernelUnavailable(RuntimeError):
-    """The paged decode kernel could not be built or loaded here; the message says why."""
-
-
-def _compiler() -> str | None:
-    explicit = os.environ.get("CC")
-    if explicit:
-        return shutil.which(explicit)
-    return shutil.which("cc") or shutil.which("gcc")
-
-
-def _library_path(compiler: str, source: bytes) -> Path:
-    identity = "\n".join([compiler, " ".join(FLAGS), hardware_name(), platform.machine()]).encode()
-    digest = hashlib.sha256(source + b"\0" + identity).hexdigest()[:16]
-    return cache_root() / "kernels" / f"paged_decode-{digest}.so"
-
-
-def _build(compiler: str, target: Path) -> None:
-    """Compile into a temporary file beside ``target``, then rename: concurrent builders never see half a file."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".paged_decode.", suffix=".so")
-    os.close(fd)
-    try:
-        result = subprocess.run(
-            [compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=300
-        )
-        if result.returncode != 0:
-            raise KernelUnavailable(
-                f"{compiler} could not build {SOURCE.name} (exit {result.returncode}): "
-                f"{result.stderr.strip()[-600:]}"
-            )
-        os.replace(tmp, target)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
 
 
 @functools.cache
 def _kernel() -> tuple[ctypes._CFuncPtr | None, str]:
     """The loaded kernel and where it came from, or ``(None, why not)``; decided once per process."""
-    if not SOURCE.exists():
-        return None, f"{SOURCE} is missing from the installation"
-    compiler = _compiler()
-    if compiler is None:
-        wanted = os.environ.get("CC") or "cc"
-        return None, f"no C compiler found ({wanted!r} is not on PATH; install gcc or set $CC)"
-    target = _library_path(compiler, SOURCE.read_bytes())
-    origin = f"cached {target}"
-    try:
-        if not target.exists():
-            try:
-                _build(compiler, target)
-            except OSError as exc:  # an unwritable cache: build where this process may write
-                log.warning("kernel cache not writable; building in a temporary directory", error=str(exc))
-                target = Path(tempfile.mkdtemp(prefix="cbcore-kernels-")) / target.name
-                _build(compiler, target)
-            origin = f"built {target}"
-        fn = ctypes.CDLL(str(target)).cb_paged_decode_f32
-    except (KernelUnavailable, OSError, subprocess.SubprocessError, AttributeError) as exc:
-        return None, str(exc)
-    fn.argtypes = _ARGTYPES
-    fn.restype = ctypes.c_int
-    log.debug("paged decode kernel", origin=origin)
-    return fn, origin
+    return load_kernel(SOURCE, "cb_paged_decode_f32", _ARGTYPES)
 
 
 def unavailable_reason() -> str | None:

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
 
 from cbcore.config import format_validation_error
 from cbcore.sim.fitted import FittedCost
@@ -42,11 +42,21 @@ class Identity(BaseModel):
     source: Literal["measured", "roofline"]
     created: str | None = None
     torch: str | None = None
-    linear_transposed_rows: list[int] | None = Field(
+    linear_orders: dict[int, Literal["transposed", "skinny"]] | None = Field(
         None,
-        description="Row counts whose linear layers ran in the transposed order while measured (CPU): "
-        "a real run with another choice has other step times at those widths.",
+        description="Calibrated row counts whose linear layers ran in another order than the standard one "
+        "while measured (CPU): a real run with another choice has other step times at those widths.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _older_field(cls, data: object) -> object:
+        """Profiles written before the skinny kernel listed the transposed row counts alone."""
+        if isinstance(data, dict) and "linear_transposed_rows" in data and "linear_orders" not in data:
+            data = dict(data)
+            rows = data.pop("linear_transposed_rows")
+            data["linear_orders"] = None if rows is None else dict.fromkeys(rows, "transposed")
+        return data
 
 
 class Profile(BaseModel):

@@ -186,6 +186,6 @@ def make_profile(engine: Engine, model_name: str, grid: Grid = FULL, seed: int =
         source="measured",
         created=datetime.now(UTC).isoformat(timespec="seconds"),
         torch=torch.__version__,
-        linear_transposed_rows=sorted(engine.runner.linear.transposed_rows),
+        linear_orders=dict(engine.runner.linear.orders),
     )
     return Profile(identity=identity, model=ModelShape.of(model_name, engine.model.config), cost=cost)

@@ -1,0 +1,98 @@
+"""cbcore's own C kernels: compiled on first use for this CPU, cached, loaded with ctypes.
+
+A kernel is one C file beside this module. It is compiled with the machine's
+C compiler (``$CC``, else ``cc``) for this CPU (``-march=native``) and kept
+under cbcore's cache directory, named by a hash of the source, the flags, the
+compiler and the CPU model, so a later process loads it in milliseconds and a
+changed CPU or source builds anew. It is linked against the OpenMP runtime
+torch has already loaded, so its threads are torch's threads. ctypes rather
+than a torch extension: no torch headers, no pybind, a build of a fraction of
+a second instead of a minute. Where no compiler is found or the build fails,
+:func:`load_kernel` says why, and the caller decides what to run instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from cbcore.cache import cache_root
+from cbcore.execution.linear_cache import hardware_name
+from cbcore.log import get_logger
+
+log = get_logger(__name__)
+
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
+
+
+class KernelUnavailable(RuntimeError):
+    """A C kernel could not be built or loaded here; the message says why."""
+
+
+def _compiler() -> str | None:
+    explicit = os.environ.get("CC")
+    if explicit:
+        return shutil.which(explicit)
+    return shutil.which("cc") or shutil.which("gcc")
+
+
+def _library_path(source: Path, compiler: str) -> Path:
+    identity = "\n".join([compiler, " ".join(FLAGS), hardware_name(), platform.machine()]).encode()
+    digest = hashlib.sha256(source.read_bytes() + b"\0" + identity).hexdigest()[:16]
+    return cache_root() / "kernels" / f"{source.stem}-{digest}.so"
+
+
+def _build(source: Path, compiler: str, target: Path) -> None:
+    """Compile into a temporary file beside ``target``, then rename: concurrent builders never see half a file."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{source.stem}.", suffix=".so")
+    os.close(fd)
+    try:
+        result = subprocess.run(
+            [compiler, *FLAGS, str(source), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=300
+        )
+        if result.returncode != 0:
+            raise KernelUnavailable(
+                f"{compiler} could not build {source.name} (exit {result.returncode}): "
+                f"{result.stderr.strip()[-600:]}"
+            )
+        os.replace(tmp, target)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
+def load_kernel(source: Path, symbol: str, argtypes: list) -> tuple[ctypes._CFuncPtr | None, str]:
+    """The C function ``symbol`` of ``source`` and where it came from, or ``(None, why not)``.
+
+    Callers cache the result per process (a build is a subprocess; a load is a dlopen).
+    """
+    if not source.exists():
+        return None, f"{source} is missing from the installation"
+    compiler = _compiler()
+    if compiler is None:
+        wanted = os.environ.get("CC") or "cc"
+        return None, f"no C compiler found ({wanted!r} is not on PATH; install gcc or set $CC)"
+    target = _library_path(source, compiler)
+    origin = f"cached {target}"
+    try:
+        if not target.exists():
+            try:
+                _build(source, compiler, target)
+            except OSError as exc:  # an unwritable cache: build where this process may write
+                log.warning("kernel cache not writable; building in a temporary directory", error=str(exc))
+                target = Path(tempfile.mkdtemp(prefix="cbcore-kernels-")) / target.name
+                _build(source, compiler, target)
+            origin = f"built {target}"
+        fn = getattr(ctypes.CDLL(str(target)), symbol)
+    except (KernelUnavailable, OSError, subprocess.SubprocessError, AttributeError) as exc:
+        return None, str(exc)
+    fn.argtypes = argtypes
+    fn.restype = ctypes.c_int
+    log.debug("native kernel", symbol=symbol, origin=origin)
+    return fn, origin
