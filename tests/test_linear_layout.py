@@ -89,7 +89,7 @@ def test_skinny_refuses_weights_it_cannot_multiply():
 
 def test_without_a_compiler_auto_times_the_blas_orders_only(cache_dir, monkeypatch, caplog):
     monkeypatch.setenv("CC", "no-such-cc")
-    skinny_linear._kernel.cache_clear()
+    skinny_linear.KERNEL.forget()
     timed: list[tuple] = []
     monkeypatch.setattr(linear, "calibrate", lambda modules, candidates, rounds=5: timed.append(candidates) or {})
     try:
@@ -97,7 +97,7 @@ def test_without_a_compiler_auto_times_the_blas_orders_only(cache_dir, monkeypat
         with pytest.raises(ValueError, match="'skinny' cannot run here: no C compiler found"):
             LinearRouter(tiny_model("llama"), "skinny")
     finally:
-        skinny_linear._kernel.cache_clear()
+        skinny_linear.KERNEL.forget()
     assert timed == [("transposed",)]
     assert "skinny linear kernel unavailable" in caplog.text
 

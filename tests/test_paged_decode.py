@@ -20,9 +20,9 @@ SCALE = 0.125
 def fresh_kernel(monkeypatch, tmp_path):
     """A process that has not loaded the kernel yet, with its own cache directory."""
     monkeypatch.setenv("CBCORE_CACHE_DIR", str(tmp_path))
-    paged_decode._kernel.cache_clear()
+    paged_decode.KERNEL.forget()
     yield tmp_path
-    paged_decode._kernel.cache_clear()
+    paged_decode.KERNEL.forget()
 
 
 def pool_and_rows(rows=2, blocks=6, block_size=4, heads=4, kv_heads=2, head_dim=8):
@@ -38,10 +38,10 @@ def pool_and_rows(rows=2, blocks=6, block_size=4, heads=4, kv_heads=2, head_dim=
 
 def test_built_on_first_use_then_loaded_from_the_cache(fresh_kernel):
     assert paged_decode.unavailable_reason() is None
-    assert paged_decode._kernel()[1].startswith("built ")
+    assert paged_decode.KERNEL.load()[1].startswith("built ")
     (library,) = (fresh_kernel / "kernels").glob("paged_decode-*.so")
-    paged_decode._kernel.cache_clear()
-    assert paged_decode._kernel()[1] == f"cached {library}"
+    paged_decode.KERNEL.forget()
+    assert paged_decode.KERNEL.load()[1] == f"cached {library}"
 
 
 @pytest.mark.parametrize(

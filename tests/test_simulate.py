@@ -349,3 +349,12 @@ def test_cb_simulate_refuses_a_bad_profile_in_one_line(tmp_path: Path, capsys) -
     assert main(["simulate", "--profile", str(bad), "--workload", "poisson:n=2"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("cb: error: profile") and "identity" in err and "\n" not in err
+
+
+def test_a_profile_from_before_the_skinny_kernel_reads_its_transposed_rows_as_orders():
+    base = {"hardware": "cpu", "model": "m", "dtype": "float32", "backend": "sdpa", "source": "measured"}
+    old = Identity.model_validate({**base, "linear_transposed_rows": [2, 3]})
+    assert old.linear_orders == {2: "transposed", 3: "transposed"}
+    assert Identity.model_validate({**base, "linear_orders": {"1": "skinny"}}).linear_orders == {1: "skinny"}
+    with pytest.raises(ValueError, match="linear_orders"):
+        Identity.model_validate({**base, "linear_orders": {"1": "sideways"}})

@@ -96,3 +96,32 @@ def load_kernel(source: Path, symbol: str, argtypes: list) -> tuple[ctypes._CFun
     fn.restype = ctypes.c_int
     log.debug("native kernel", symbol=symbol, origin=origin)
     return fn, origin
+
+
+class NativeKernel:
+    """One C function of one kernel file, built or loaded once per process on first use."""
+
+    def __init__(self, source: Path, symbol: str, argtypes: list) -> None:
+        self.source, self.symbol, self.argtypes = source, symbol, argtypes
+        self._loaded: tuple[ctypes._CFuncPtr | None, str] | None = None
+
+    def load(self) -> tuple[ctypes._CFuncPtr | None, str]:
+        """The function and where it came from (``built ...`` / ``cached ...``), or ``(None, why not)``."""
+        if self._loaded is None:
+            self._loaded = load_kernel(self.source, self.symbol, self.argtypes)
+        return self._loaded
+
+    def function(self) -> ctypes._CFuncPtr:
+        fn, text = self.load()
+        if fn is None:
+            raise KernelUnavailable(text)
+        return fn
+
+    def unavailable_reason(self) -> str | None:
+        """None if the kernel is loaded (building it on first call), else why it cannot be."""
+        fn, text = self.load()
+        return None if fn is not None else text
+
+    def forget(self) -> None:
+        """Decide again on the next call (after a change of ``$CC`` or of the cache directory)."""
+        self._loaded = None

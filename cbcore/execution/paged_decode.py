@@ -13,13 +13,12 @@ built and loaded by :mod:`cbcore.execution.native`; where it cannot be,
 from __future__ import annotations
 
 import ctypes
-import functools
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from cbcore.execution.native import KernelUnavailable, load_kernel
+from cbcore.execution.native import KernelUnavailable, NativeKernel
 
 __all__ = ["KernelUnavailable", "PagedRows", "paged_decode", "unavailable_reason"]
 
@@ -28,16 +27,8 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 _ARGTYPES = [_P, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, ctypes.c_int]
 
 
-@functools.cache
-def _kernel() -> tuple[ctypes._CFuncPtr | None, str]:
-    """The loaded kernel and where it came from, or ``(None, why not)``; decided once per process."""
-    return load_kernel(SOURCE, "cb_paged_decode_f32", _ARGTYPES)
-
-
-def unavailable_reason() -> str | None:
-    """None if the kernel is loaded (building it on first call), else why it cannot be."""
-    fn, text = _kernel()
-    return None if fn is not None else text
+KERNEL = NativeKernel(SOURCE, "cb_paged_decode_f32", _ARGTYPES)
+unavailable_reason = KERNEL.unavailable_reason
 
 
 def _check(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
@@ -76,9 +67,7 @@ def paged_decode(
     scale: float,
 ) -> torch.Tensor:
     """Each row's single query attends to positions ``[start, start + count)`` of its own blocks."""
-    fn, text = _kernel()
-    if fn is None:
-        raise KernelUnavailable(text)
+    fn = KERNEL.function()
     rows, heads, head_dim = query.shape
     kv_heads = k_pool.shape[1]
     _check("query", query, torch.float32)

@@ -8,28 +8,19 @@ by measurement, where it runs; this module only checks and calls it.
 from __future__ import annotations
 
 import ctypes
-import functools
 from pathlib import Path
 
 import torch
 
-from cbcore.execution.native import KernelUnavailable, load_kernel
+from cbcore.execution.native import NativeKernel
 
 SOURCE = Path(__file__).with_name("skinny_linear.c")
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _ARGTYPES = [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int]
 
 
-@functools.cache
-def _kernel() -> tuple[ctypes._CFuncPtr | None, str]:
-    """The loaded kernel and where it came from, or ``(None, why not)``; decided once per process."""
-    return load_kernel(SOURCE, "cb_skinny_linear_f32", _ARGTYPES)
-
-
-def unavailable_reason() -> str | None:
-    """None if the kernel is loaded (building it on first call), else why it cannot be."""
-    fn, text = _kernel()
-    return None if fn is not None else text
+KERNEL = NativeKernel(SOURCE, "cb_skinny_linear_f32", _ARGTYPES)
+unavailable_reason = KERNEL.unavailable_reason
 
 
 def supports(weight: torch.Tensor) -> bool:
@@ -39,9 +30,7 @@ def supports(weight: torch.Tensor) -> bool:
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for float32 CPU tensors; any leading shape of ``x``."""
-    fn, text = _kernel()
-    if fn is None:
-        raise KernelUnavailable(text)
+    fn = KERNEL.function()
     if not supports(weight):
         raise ValueError(
             f"skinny_linear: weight must be a contiguous 2-D CPU float32 tensor, "
