@@ -69,5 +69,5 @@ def test_inputs_it_cannot_read_are_named():
         product(torch.randn(2, 9), w, None)
     with pytest.raises(ValueError, match=r"input must be .* torch\.float64"):
         product(torch.randn(2, 10, dtype=torch.float64), w, None)
-    with pytest.raises(ValueError, match=r"bias must be a contiguous float32 \[6\], got \(5,\)"):
+    with pytest.raises(ValueError, match=r"bias must be a contiguous CPU float32 \[6\], got \(5,\)"):
         product(torch.randn(2, 10), w, torch.randn(5))

@@ -8,6 +8,7 @@ by measurement, where it runs; this module only checks and calls it.
 from __future__ import annotations
 
 import ctypes
+import math
 from pathlib import Path
 
 import torch
@@ -42,12 +43,20 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             f"skinny_linear: input must be a CPU float32 tensor [..., {in_features}], "
             f"got {tuple(x.shape)} {x.dtype} on {x.device}"
         )
-    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (out_features,) or not bias.is_contiguous()):
-        raise ValueError(f"skinny_linear: bias must be a contiguous float32 [{out_features}], got {tuple(bias.shape)}")
-    flat = x.reshape(-1, in_features).contiguous()
-    out = torch.empty(flat.shape[0], out_features, dtype=torch.float32)
+    if bias is not None and (
+        bias.dtype != torch.float32 or bias.device.type != "cpu" or bias.shape != (out_features,)
+        or not bias.is_contiguous()
+    ):  # fmt: skip
+        raise ValueError(
+            f"skinny_linear: bias must be a contiguous CPU float32 [{out_features}], "
+            f"got {tuple(bias.shape)} {bias.dtype} on {bias.device}"
+        )
+    # Called once per linear layer per step: no reshapes or views beyond the one output tensor.
+    if not x.is_contiguous():
+        x = x.contiguous()
+    out = torch.empty((*x.shape[:-1], out_features), dtype=torch.float32)
     fn(
-        flat.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
-        flat.shape[0], out_features, in_features, torch.get_num_threads(),
+        x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
+        math.prod(x.shape[:-1]), out_features, in_features, torch.get_num_threads(),
     )  # fmt: skip
-    return out.view(*x.shape[:-1], out_features)
+    return out
