@@ -9,12 +9,27 @@ the key path.
 from __future__ import annotations
 
 import json
+import os
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, StrictBool, ValidationError, model_validator
+
+from cbcore.plugins import get_registry, validation_problems
+
+CACHE_ENV = "CBCORE_CACHE_DIR"
+
+
+def cache_root() -> Path:
+    """Where cbcore keeps what it computes once per machine (the converted default model, kernels,
+    the linear calibration): ``$CBCORE_CACHE_DIR``, else ``$XDG_CACHE_HOME/cbcore``, else ``~/.cache/cbcore``."""
+    explicit = os.environ.get(CACHE_ENV)
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "cbcore"
 
 
 class PluginSpec(BaseModel):
@@ -141,8 +156,6 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check_plugins(self) -> EngineConfig:
-        from cbcore.plugins import get_registry
-
         registry = get_registry(tuple(self.plugins))
         if self.scheduler.name is not None:
             registry.validate("scheduler", self.scheduler.name, self.scheduler.params, "scheduler")
@@ -248,8 +261,6 @@ class ConfigError(ValueError):
 
 def format_validation_error(exc: ValidationError) -> str:
     """One line per problem: ``key.path: message``; an unknown key gets the closest known one suggested."""
-    from cbcore.suggest import validation_problems
-
     model = exc.title and _MODELS.get(exc.title)
     return "; ".join(validation_problems(exc, model or None))
 

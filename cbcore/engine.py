@@ -11,12 +11,12 @@ import torch
 from transformers import PreTrainedModel
 
 from cbcore.config import EngineConfig
-from cbcore.engine_core import EngineCore, Prompt, RequestError, Sampled, StepRecord, build_scheduler
+from cbcore.engine_core import EngineCore, Prompt, RequestError, StepRecord, build_scheduler
 from cbcore.execution.batch import FlatBatch
 from cbcore.execution.runner import KVGeometry, ModelRunner, plan_num_blocks
 from cbcore.execution.sampler import sample_each
 from cbcore.plugins import get_registry
-from cbcore.scheduling.plan import StepPlan
+from cbcore.scheduling.plan import Sampled, StepPlan
 from cbcore.scheduling.scheduler import SchedulerOutput
 
 __all__ = ["Engine", "ModelExecutor", "Prompt", "RequestError", "StepRecord"]
@@ -47,11 +47,9 @@ class ModelExecutor:
             torch.cuda.synchronize()
         return logits
 
-    def sample(self, prepared: _Prepared, logits: torch.Tensor) -> Sampled:
+    def sample(self, prepared: _Prepared, logits: torch.Tensor, rng_states: list) -> Sampled:
         rows = list(prepared.batch.sample_rows)
-        plans = [prepared.plan.rows[i] for i in rows]
-        states = [(p.generator, p.generator.get_state()) for p in plans if p.generator is not None]
-        tokens, top, errors = sample_each(logits, plans, states)
+        tokens, top, errors = sample_each(logits, [prepared.plan.rows[i] for i in rows], rng_states)
         return Sampled(rows, list(tokens), list(top), errors)
 
 
@@ -78,7 +76,7 @@ class Engine(EngineCore):
         registry = get_registry(tuple(config.plugins))
         backend = registry.create("backend", config.backend.name, config.backend.params, "backend")
         num_blocks = plan_num_blocks(config.kv_cache, KVGeometry.of(model), next(model.parameters()).dtype)
-        scheduler, _ = build_scheduler(config, num_blocks, clock)
+        scheduler, names = build_scheduler(config, num_blocks, clock)
         host_blocks = scheduler.blocks.num_host_blocks
         self.runner = ModelRunner(
             model,
@@ -104,6 +102,7 @@ class Engine(EngineCore):
             scheduler,
             vocab_size=text_cfg.vocab_size,
             max_model_len=config.model.max_model_len or getattr(text_cfg, "max_position_embeddings", None),
+            names=names,
             eos_token_ids=_eos_ids(model),
             tokenizer=tokenizer,
             clock=clock,

@@ -1,12 +1,13 @@
-"""The model-free half of the engine: requests, the scheduler and per-step bookkeeping.
+"""The model-free half of the engine: requests, the scheduler and the step loop.
 
-:class:`EngineCore` owns everything a step does around the forward pass: it
-asks the scheduler for a plan, hands it to an :class:`Executor`, appends the
-sampled tokens, finishes sequences, tells the scheduler, and reports outputs
-and :class:`StepStats`. :class:`cbcore.engine.Engine` plugs in the model
-(runner + sampler); the simulator (:mod:`cbcore.sim`) plugs in a cost model
-and a virtual clock. Both therefore run the very same loop, so a policy
-behaves identically in either.
+:class:`EngineCore` runs every step as plan -> run -> commit: the step
+transaction (:mod:`cbcore.scheduling.step`) asks the scheduler for a plan and
+checks it, an :class:`Executor` runs it, the transaction appends the sampled
+tokens and tells the scheduler, and the engine reports outputs and
+:class:`StepStats`. :class:`cbcore.engine.Engine` plugs in the model (runner +
+sampler); the simulator (:mod:`cbcore.sim`) plugs in a cost model and a
+virtual clock. Both run the very same loop, so a policy behaves identically
+in either.
 """
 
 from __future__ import annotations
@@ -15,41 +16,40 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from pydantic import ValidationError
+
 from cbcore.config import EngineConfig
-from cbcore.generate import run_batch
 from cbcore.log import get_logger
-from cbcore.outputs import RequestOutput
-from cbcore.plugins import get_registry
-from cbcore.request_checks import Prompt, RequestError, check_request, encode_prompt
-from cbcore.scheduling.block_manager import BlockManager
-from cbcore.scheduling.plan import StepPlan
-from cbcore.scheduling.policy import StepResult
-from cbcore.scheduling.policy_scheduler import PolicyScheduler
-from cbcore.scheduling.request_fields import (
-    FieldError,
-    check_client_id,
-    check_deadline,
-    check_priority,
+from cbcore.outputs import EngineLoad, RequestOutput, StepStats, StepTotals
+from cbcore.plugins import validation_problems
+from cbcore.scheduling.plan import Sampled, StepPlan
+from cbcore.scheduling.policy_scheduler import build_scheduler
+from cbcore.scheduling.policy_set import describe
+from cbcore.scheduling.request import (
+    Prompt,
+    RequestError,
+    RequestFields,
+    check_request,
     check_request_id,
-    freeze_attrs,
+    encode_prompt,
+    max_new_tokens_limit,
 )
-from cbcore.scheduling.rollback import TokenUndo
 from cbcore.scheduling.sampling_params import SamplingParams
 from cbcore.scheduling.scheduler import Scheduler, SchedulerOutput
-from cbcore.scheduling.sequence import FinishReason, Sequence
-from cbcore.stats import EngineLoad, StepStats, StepTotals
-from cbcore.step_guard import StepGuard
+from cbcore.scheduling.sequence import FinishReason, Sequence, SequenceStatus
+from cbcore.scheduling.step import Steps
 
 log = get_logger(__name__)
 
-__all__ = ["EngineCore", "Executor", "Prompt", "RequestError", "Sampled", "StepRecord", "build_scheduler"]
-
+__all__ = ["EngineCore", "Executor", "Prompt", "RequestError", "StepRecord", "build_scheduler"]
 
 #: How many recent StepStats ``step_stats`` keeps.
 STEP_STATS_KEPT = 1024
+
 
 @dataclass(frozen=True)
 class StepRecord:
@@ -61,53 +61,17 @@ class StepRecord:
     outputs: list[RequestOutput]
 
 
-@dataclass
-class Sampled:
-    """What an executor produced: one token per sampling row of the plan."""
-
-    rows: list[int]  # indices into SchedulerOutput.scheduled of the rows that sampled
-    tokens: list[int]
-    logprobs: list[dict[int, float] | None]
-    # Per row, why its sampling failed (that request alone ends with an error), or None.
-    errors: list[str | None] | None = None
-
-
 class Executor(Protocol):
-    """Runs a decided step. The engine times ``prepare`` and ``forward`` separately.
+    """Runs a checked plan. The engine times ``prepare``, ``forward`` and ``sample`` separately.
 
-    ``prepare`` gets the scheduler's decision and the plan the engine checked
-    and built from it (the rows to run); it must run that plan.
+    ``sample`` gets the RNG states the step saved before it (to redo a row
+    alone with the draws it would get alone, if sampling the batch fails).
     """
 
     def prepare(self, out: SchedulerOutput, plan: StepPlan) -> Any: ...
     def forward(self, prepared: Any) -> Any: ...
-    def sample(self, prepared: Any, forwarded: Any) -> Sampled: ...
+    def sample(self, prepared: Any, forwarded: Any, rng_states: list[tuple[Any, Any]]) -> Sampled: ...
     def batch_of(self, prepared: Any) -> Any: ...
-
-
-def build_scheduler(
-    config: EngineConfig, num_blocks: int, clock: Callable[[], float]
-) -> tuple[Scheduler, dict[str, Any] | None]:
-    """The configured scheduler over a fresh :class:`BlockManager`, and the composed policies (if any)."""
-    registry = get_registry(tuple(config.plugins))
-    sched = config.scheduler
-    policies = None
-    if sched.name is None:
-        policies = {
-            slot: registry.create(slot, spec.name, spec.params, f"scheduler.{slot}")
-            for slot in ("queue", "budget", "prefill", "preemption")
-            for spec in [getattr(sched, slot)]
-        }
-    host_blocks = config.kv_cache.num_host_blocks
-    if host_blocks is None:  # swap space defaults to the size of the device pool
-        swaps = policies is not None and policies["preemption"].mode == "swap"
-        host_blocks = num_blocks if swaps else 0
-    blocks = BlockManager(
-        num_blocks, config.kv_cache.block_size, host_blocks, prefix_caching=config.kv_cache.prefix_caching
-    )
-    if policies is not None:
-        return PolicyScheduler(**policies, blocks=blocks, clock=clock), policies
-    return registry.create("scheduler", sched.name, sched.params, "scheduler", blocks), None
 
 
 class EngineCore:
@@ -121,6 +85,7 @@ class EngineCore:
         *,
         vocab_size: int,
         max_model_len: int | None,
+        names: Mapping[int, str] | None = None,
         eos_token_ids: Iterable[int] = (),
         tokenizer: Any | None = None,
         clock: Callable[[], float] = time.perf_counter,
@@ -144,7 +109,10 @@ class EngineCore:
         self.step_listeners: list[Callable[[StepRecord], None]] = []
         self.num_preemptions_total = 0  # counted here, so that it holds for any Scheduler
         self._ids = itertools.count()
-        self.guard = StepGuard(scheduler, config, clock)
+        if names is None:
+            policies = getattr(scheduler, "policies", None)
+            names = policies.names if policies is not None else {id(scheduler): describe(scheduler)}
+        self.steps = Steps(scheduler, names, clock)
         self._live: dict[str, Sequence] = {}  # every request added and not yet ended
 
     # -- requests ------------------------------------------------------------
@@ -165,46 +133,37 @@ class EngineCore:
         """Queue one request and return its id; raises :class:`RequestError` on bad input.
 
         ``priority``, ``client_id``, ``deadline_s`` (seconds after arrival) and
-        ``attrs`` (JSON values) are what policies read to tell requests apart;
-        they are checked strictly (no coercion) and ``attrs`` is stored as a
-        read-only copy. Nothing is registered unless every check passes.
-        ``cache_salt`` isolates the request's prefix cache: only requests with
-        the same salt share KV blocks (e.g. one salt per tenant).
+        ``attrs`` (JSON values) are what policies read to tell requests apart
+        (:class:`~cbcore.scheduling.request.RequestFields`, checked strictly;
+        ``attrs`` is stored as a read-only copy). Nothing is registered unless
+        every check passes. ``cache_salt`` isolates the request's prefix cache:
+        only requests with the same salt share KV blocks (e.g. one per tenant).
         """
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise RequestError(f"params must be SamplingParams, got {type(params).__name__}")
-        if request_id is None:
-            request_id = self.new_request_id()
+        request_id = check_request_id(self.new_request_id() if request_id is None else request_id)
         try:
-            check_request_id(request_id)
-            fields = dict(
-                priority=check_priority(priority),
-                client_id=check_client_id(client_id),
-                deadline_s=check_deadline(deadline_s),
-                attrs=freeze_attrs(attrs),
-            )
-        except FieldError as exc:
-            raise RequestError(f"request {request_id!r}: {exc}") from None
-        if arrival_time is not None and (
-            isinstance(arrival_time, bool) or not isinstance(arrival_time, int | float)
-        ):
+            fields = RequestFields(priority=priority, client_id=client_id, deadline_s=deadline_s, attrs=attrs)
+        except ValidationError as exc:
+            raise RequestError(f"request {request_id!r}: {'; '.join(validation_problems(exc))}") from None
+        if arrival_time is not None and (isinstance(arrival_time, bool) or not isinstance(arrival_time, int | float)):
             raise RequestError(f"request {request_id!r}: arrival_time must be a number, got {arrival_time!r}")
         if request_id in self._live:
             raise RequestError(f"request id {request_id!r} is already in use")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise RequestError(f"request {request_id!r}: cache_salt must be a string, got {type(cache_salt).__name__}")
         token_ids = encode_prompt(prompt, request_id, self.tokenizer)
-        check_request(token_ids, request_id, params, self.vocab_size, self.max_model_len, self.scheduler.blocks)
+        check_request(token_ids, request_id, params, self.vocab_size, self.max_model_len, self.kv_capacity_tokens)
         seq = Sequence(
             request_id=request_id,
             prompt_token_ids=token_ids,
             params=params,
             arrival_time=self.clock() if arrival_time is None else float(arrival_time),
             cache_salt=cache_salt,
-            **fields,
+            **dict(fields),
         )
-        self.guard.call(self.scheduler.add, seq)  # the composed scheduler registers all or nothing
+        self.steps.call(self.scheduler.add, seq)  # the composed scheduler registers all or nothing
         self._live[request_id] = seq
         return request_id
 
@@ -212,12 +171,20 @@ class EngineCore:
         """An id no request of this engine has had (``req-N``)."""
         return f"req-{next(self._ids)}"
 
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.scheduler.blocks.capacity_tokens
+
+    def max_new_tokens_for(self, prompt_len: int) -> int:
+        """The most tokens a prompt of this length may ask for here (< 1: it cannot run at all)."""
+        return max_new_tokens_limit(prompt_len, self.max_model_len, self.kv_capacity_tokens)
+
     def scheduler_has(self, request_id: str) -> bool:
         return request_id in self._live
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request wherever it is; its KV blocks are freed at once."""
-        seq = self.guard.call(self.scheduler.abort, request_id)
+        seq = self.steps.call(self.scheduler.abort, request_id)
         if seq is not None:
             self._live.pop(request_id, None)
             log.info("request aborted", request_id=request_id, generated=seq.num_output_tokens)
@@ -226,43 +193,54 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix no request holds (a benchmark's cold start); returns how many blocks."""
+        return self.scheduler.blocks.reset_prefix_cache()
+
     def load(self) -> EngineLoad:
-        """A snapshot of queue lengths, KV use and counters (read it between steps)."""
-        sched = self.scheduler
-        blocks = sched.blocks
+        """A read-only snapshot of queues, tokens, KV use and counters (read it between steps)."""
+        blocks = self.scheduler.blocks
+        count = dict.fromkeys(SequenceStatus, 0)
+        waiting_tokens = running_tokens = 0
+        for seq in self._live.values():
+            count[seq.status] += 1
+            if seq.status is SequenceStatus.WAITING:
+                waiting_tokens += seq.num_pending_tokens
+            elif seq.status is SequenceStatus.RUNNING:
+                running_tokens += seq.num_tokens
+        recent = list(itertools.islice(reversed(self.step_stats), 16))
         return EngineLoad(
-            num_waiting=len(getattr(sched, "waiting", ())),
-            num_running=len(getattr(sched, "running", ())),
-            num_swapped=len(getattr(sched, "swapped", ())),
+            num_waiting=count[SequenceStatus.WAITING],
+            num_running=count[SequenceStatus.RUNNING],
+            num_swapped=count[SequenceStatus.SWAPPED],
             kv_blocks_used=blocks.num_used_blocks,
             kv_blocks_total=blocks.num_blocks,
             num_preemptions_total=self.num_preemptions_total,
-            prefix_cache_queries_tokens=getattr(blocks, "prefix_cache_queries_tokens", 0),
-            prefix_cache_hits_tokens=getattr(blocks, "prefix_cache_hits_tokens", 0),
+            prefix_cache_queries_tokens=blocks.prefix_cache_queries_tokens,
+            prefix_cache_hits_tokens=blocks.prefix_cache_hits_tokens,
+            num_waiting_tokens=waiting_tokens,
+            num_running_tokens=running_tokens,
+            recent_step_s=sum(s.total_s for s in recent) / len(recent) if recent else 0.0,
         )
 
     # -- the loop ------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; return a delta for every request that produced a token or ended.
+        """Run one iteration: plan -> run -> commit; a delta for every request that produced a token or ended.
 
-        The plan is checked before anything runs (:mod:`cbcore.step_guard`). If
-        anything in the step fails -- a plugin raises, the plan breaks a rule,
-        the forward fails -- the step is undone before the exception
+        If anything in the step fails -- a plugin raises, the plan breaks a
+        rule, the forward fails -- the step is undone before the exception
         propagates: the engine is as it was, and the error names the plugin.
         """
         blocks = self.scheduler.blocks
-        queries0 = getattr(blocks, "prefix_cache_queries_tokens", 0)
-        hits0 = getattr(blocks, "prefix_cache_hits_tokens", 0)
+        queries0, hits0 = blocks.prefix_cache_queries_tokens, blocks.prefix_cache_hits_tokens
         t0 = self.clock()
-        restore = self.guard.snapshot(self._live)
-        undo = TokenUndo()
+        tx = self.steps.begin(self._live.values())
         try:
-            out = self.guard.call(self.scheduler.schedule)
-            plan = self.guard.check(out)
-            t1 = self.clock()
+            plan = tx.plan()
+            out = tx.out
+            t1 = t2 = t3 = self.clock()
             batch = None
-            t2 = t3 = t1
             outputs: list[RequestOutput] = []
             if plan.rows:
                 prepared = self.executor.prepare(out, plan)
@@ -270,12 +248,10 @@ class EngineCore:
                 t2 = self.clock()
                 forwarded = self.executor.forward(prepared)
                 t3 = self.clock()
-                undo.save_rng(plan)
-                outputs = self._postprocess(out, self.executor.sample(prepared, forwarded), undo)
+                new_token, failed = tx.commit(self.executor.sample(prepared, forwarded, tx.rng), self._check_finish)
+                outputs = self._outputs(new_token, failed)
         except BaseException as exc:
-            undo.restore()
-            restore()
-            named = self.guard.named(exc)
+            named = tx.undo(exc)
             if named is exc:
                 raise
             raise named from exc
@@ -283,7 +259,6 @@ class EngineCore:
             self._live.pop(seq.request_id, None)
         outputs[:0] = [RequestOutput.of(seq, [], self._text(seq)) for seq in out.failed]
         self.num_preemptions_total += len(out.preempted)
-        t4 = self.clock()
         stats = StepStats(
             step=self.step_totals.steps + 1,
             num_seqs=len(out.scheduled),
@@ -293,12 +268,12 @@ class EngineCore:
             num_preempted=len(out.preempted),
             kv_blocks_used=blocks.num_used_blocks,
             kv_blocks_total=blocks.num_blocks,
-            prefix_cache_queries_tokens=getattr(blocks, "prefix_cache_queries_tokens", 0) - queries0,
-            prefix_cache_hits_tokens=getattr(blocks, "prefix_cache_hits_tokens", 0) - hits0,
+            prefix_cache_queries_tokens=blocks.prefix_cache_queries_tokens - queries0,
+            prefix_cache_hits_tokens=blocks.prefix_cache_hits_tokens - hits0,
             schedule_s=t1 - t0,
             prepare_s=t2 - t1,
             forward_s=t3 - t2,
-            sample_s=t4 - t3,
+            sample_s=self.clock() - t3,
         )
         self.step_totals.add(stats)
         self.step_stats.append(stats)
@@ -306,31 +281,7 @@ class EngineCore:
             listener(StepRecord(stats, out, batch, outputs))
         return outputs
 
-    def _postprocess(self, out: SchedulerOutput, sampled: Sampled, undo: TokenUndo) -> list[RequestOutput]:
-        now = self.clock()
-        new_token: dict[Sequence, int] = {}
-        failed: list[Sequence] = []
-        errors = sampled.errors or [None] * len(sampled.rows)
-        for row, token, logprobs, error in zip(sampled.rows, sampled.tokens, sampled.logprobs, errors, strict=True):
-            seq = out.scheduled[row].seq
-            seq.num_computed_tokens = seq.num_tokens
-            if error is not None:  # this request alone fails; the rest of the batch goes on
-                seq.finish(FinishReason.ERROR, now, error)
-                failed.append(seq)
-                continue
-            undo.appended.append((seq, seq.first_token_time is not None))
-            seq.append_token(token, now)
-            if logprobs is not None:
-                seq.logprobs.append(logprobs)
-            self._check_finish(seq, token, now)
-            new_token[seq] = token
-        results = []
-        for item in out.scheduled:
-            seq = item.seq
-            if seq not in new_token and not seq.is_finished:  # a non-final prefill chunk
-                seq.num_computed_tokens += item.num_tokens
-            results.append(StepResult(seq, item.num_tokens, new_token.get(seq)))
-        self.scheduler.on_step_end(out, results)
+    def _outputs(self, new_token: dict[Sequence, int], failed: list[Sequence]) -> list[RequestOutput]:
         for seq in (*new_token, *failed):
             if seq.is_finished:
                 self._live.pop(seq.request_id, None)
@@ -350,14 +301,106 @@ class EngineCore:
         ):
             seq.finish(FinishReason.LENGTH, now)
 
-    # -- batch API -----------------------------------------------------------
-
-    #: Run a list of prompts to completion (:func:`cbcore.generate.run_batch`).
-    generate = run_batch
-
-    # -- helpers -------------------------------------------------------------
-
     def _text(self, seq: Sequence) -> str | None:
         if self.tokenizer is None or not seq.is_finished:
             return None
         return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+
+    # -- batch API -----------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: Seq[Prompt],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        priorities: int | Seq[int] | None = None,
+        client_ids: str | Seq[str] | None = None,
+        deadlines_s: float | Seq[float | None] | None = None,
+        attrs: Mapping[str, Any] | Seq[Mapping[str, Any] | None] | None = None,
+        progress: bool = False,
+    ) -> list[RequestOutput]:
+        """Run ``prompts`` to completion on this engine's own step loop; outputs come back in prompt order.
+
+        Each per-request argument is one value for every prompt or a list with
+        one per prompt. A prompt that is refused (empty, too long, can never
+        fit the KV cache, a bad field) yields an output with
+        ``finish_reason="error"`` and the reason in ``error``; one aborted
+        meanwhile (by a step listener, say) yields ``finish_reason="abort"``;
+        the other prompts run normally. If a step raises (a scheduler plugin's
+        error, say), every request of this call is aborted before the
+        exception propagates, so the engine is idle and reusable.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            raise TypeError("generate() takes a list of prompts (strings or token-id lists)")
+        if self.has_unfinished():
+            raise RuntimeError("generate() needs an idle engine; drive pending requests with step()")
+        n = len(prompts)
+        columns = zip(
+            _expand(params, n, "params", SamplingParams, SamplingParams()),
+            _expand(priorities, n, "priorities", int, 0),
+            _expand(client_ids, n, "client_ids", str, "default"),
+            _expand(deadlines_s, n, "deadlines_s", int | float, None),
+            _expand(attrs, n, "attrs", Mapping, None),
+            strict=True,
+        )
+        ids: list[str] = []
+        seqs: dict[str, Sequence] = {}
+        done: dict[str, RequestOutput] = {}
+        try:
+            for prompt, (p, prio, client, deadline, extra) in zip(prompts, columns, strict=True):
+                request_id = self.new_request_id()
+                ids.append(request_id)
+                try:
+                    self.add_request(prompt, p, request_id=request_id, priority=prio, client_id=client,
+                                     deadline_s=deadline, attrs=extra)  # fmt: skip
+                    seqs[request_id] = self._live[request_id]
+                except RequestError as exc:
+                    log.warning("request rejected", request_id=request_id, error=str(exc))
+                    prompt_ids = prompt if isinstance(prompt, list) else []
+                    done[request_id] = RequestOutput.rejected(request_id, list(prompt_ids), str(exc))
+            bar = _progress(progress, len(seqs))
+            while self.has_unfinished():
+                for output in self.step():
+                    if output.finished:
+                        done[output.request_id] = output
+                        bar.update(1)
+            bar.close()
+        except BaseException:
+            for request_id in seqs:
+                if request_id not in done:
+                    try:
+                        self.abort(request_id)
+                    except Exception as exc:  # the first error is the one to report
+                        log.error("abort failed", request_id=request_id, error=str(exc))
+            raise
+        for request_id, seq in seqs.items():  # aborted while the loop ran: no step reported them
+            if request_id not in done:
+                done[request_id] = RequestOutput.of(seq, [], self._text(seq))
+        return [done[request_id] for request_id in ids]
+
+
+def _expand(value: Any, n: int, what: str, single: Any, default: Any) -> list[Any]:
+    """One value per prompt from ``value``: None (the default), one value, or a list of ``n``."""
+    if value is None:
+        return [default] * n
+    if isinstance(value, single):  # a wrong type is refused per request by add_request
+        return [value] * n
+    if isinstance(value, str | bytes | Mapping):
+        raise TypeError(f"{what}: expected one value or a list of {n}, got {type(value).__name__}")
+    value = list(value)
+    if len(value) != n:
+        raise ValueError(f"{what}: got {len(value)} values for {n} prompts")
+    return value
+
+
+def _progress(enabled: bool, total: int) -> Any:
+    if not enabled:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="req", desc="generate")
+
+
+class _NoBar:
+    def update(self, n: int) -> None: ...
+    def close(self) -> None: ...

@@ -1,4 +1,4 @@
-"""What the engine hands back: per-request outputs and their latency metrics."""
+"""What the engine hands back: per-request outputs and their latency metrics, per-step statistics, load."""
 
 from __future__ import annotations
 
@@ -120,3 +120,91 @@ class RequestOutput:
             finish_reason="error",
             error=error,
         )
+
+@dataclass(frozen=True)
+class StepStats:
+    step: int
+    num_seqs: int
+    num_tokens: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_preempted: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    schedule_s: float  # the scheduler's decision
+    prepare_s: float  # swaps and packing the FlatBatch
+    forward_s: float  # the model forward (attention included)
+    sample_s: float  # sampling, stop checks, bookkeeping, outputs
+    # Prefix cache: tokens of the prompts admitted this step, and how many of them the cache held.
+    prefix_cache_queries_tokens: int = 0
+    prefix_cache_hits_tokens: int = 0
+
+    @property
+    def total_s(self) -> float:
+        return self.schedule_s + self.prepare_s + self.forward_s + self.sample_s
+
+    @property
+    def overhead_s(self) -> float:
+        """Everything that is not the model forward."""
+        return self.total_s - self.forward_s
+
+    @property
+    def is_mixed(self) -> bool:
+        """Prefill and decode tokens shared this step's forward."""
+        return self.num_prefill_tokens > 0 and self.num_decode_tokens > 0
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """How busy an engine is right now: what ``/metrics``, routers and benchmarks read.
+
+    A snapshot taken between steps, so it is consistent with itself; counted
+    from the engine's own requests, so it holds for any scheduler.
+    """
+
+    num_waiting: int
+    num_running: int
+    num_swapped: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    num_preemptions_total: int
+    prefix_cache_queries_tokens: int = 0
+    prefix_cache_hits_tokens: int = 0
+    num_waiting_tokens: int = 0  # prompt (and recompute) tokens the waiting requests still have to prefill
+    num_running_tokens: int = 0  # tokens the running requests hold in the KV cache or are computing
+    recent_step_s: float = 0.0  # mean duration of the last steps (0.0 before the first)
+
+    @property
+    def kv_usage(self) -> float:
+        """Share of the device KV pool in use (0.0 to 1.0)."""
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
+@dataclass
+class StepTotals:
+    """Running aggregates over every step an engine ran (constant size, unlike a list of steps)."""
+
+    steps: int = 0
+    tokens: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    mixed_steps: int = 0
+    preemptions: int = 0
+    max_seqs: int = 0
+    seconds: dict[str, float] = field(
+        default_factory=lambda: dict.fromkeys(("schedule", "prepare", "forward", "sample"), 0.0)
+    )
+
+    def add(self, s: StepStats) -> None:
+        self.steps += 1
+        self.tokens += s.num_tokens
+        self.prefill_tokens += s.num_prefill_tokens
+        self.decode_tokens += s.num_decode_tokens
+        self.mixed_steps += s.is_mixed
+        self.preemptions += s.num_preempted
+        self.max_seqs = max(self.max_seqs, s.num_seqs)
+        sec = self.seconds
+        sec["schedule"] += s.schedule_s
+        sec["prepare"] += s.prepare_s
+        sec["forward"] += s.forward_s
+        sec["sample"] += s.sample_s

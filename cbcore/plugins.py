@@ -1,23 +1,30 @@
 """Plugin discovery: pluggy hooks, entry points, and ``module:Class`` paths.
 
-Built-in policies and backends register through the very hooks an outside
-package implements, so there is no privileged path: what ``cb plugins`` lists
-is exactly what a config can name.
+Built-in policies and backends register through the very entry points and
+hooks an outside package uses (``cbcore.policies`` and ``cbcore.backends`` are
+entry points of the ``cbcore`` distribution), so there is no privileged path:
+what ``cb plugins`` lists is exactly what a config can name. It also keeps this
+module at the bottom of the import graph: the registry never imports the
+classes it checks, it recognises them by their bases.
 
-Sources, in order: the built-ins (``cbcore.policies``, ``cbcore.backends``),
-installed distributions exposing entry points in group ``cbcore``, and the
-modules or ``.py`` files listed under ``plugins:`` in a config. A slot may also
-name a class directly as ``package.module:Class`` or ``path/to/file.py:Class``.
+Sources, in order: installed distributions exposing entry points in group
+``cbcore`` (cbcore's own first), and the modules or ``.py`` files listed under
+``plugins:`` in a config. A slot may also name a class directly as
+``package.module:Class`` or ``path/to/file.py:Class``. An entry point that
+fails to load is logged with its name and skipped: one broken package must
+not take every other plugin down with it.
 """
 
 from __future__ import annotations
 
+import difflib
 import functools
 import importlib
 import importlib.metadata
 import importlib.util
 import inspect
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -26,13 +33,25 @@ from typing import Any
 import pluggy
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from cbcore.suggest import did_you_mean, validation_problems
+from cbcore.log import get_logger
+
+log = get_logger(__name__)
 
 PROJECT = "cbcore"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
-KINDS = ("queue", "budget", "prefill", "preemption", "scheduler", "router", "backend")
+#: kind -> the base class every plugin of that kind subclasses (by module and name: see the docstring).
+BASES = {
+    "queue": "cbcore.scheduling.policy.QueuePolicy",
+    "budget": "cbcore.scheduling.policy.BudgetPolicy",
+    "prefill": "cbcore.scheduling.policy.PrefillPolicy",
+    "preemption": "cbcore.scheduling.policy.PreemptionPolicy",
+    "scheduler": "cbcore.scheduling.scheduler.SchedulerPlugin",
+    "router": "cbcore.scheduling.router.Router",
+    "backend": "cbcore.execution.backend.Backend",
+}
+KINDS = tuple(BASES)
 
 
 class NoParams(BaseModel):
@@ -71,35 +90,38 @@ class Registry:
         self.pm.add_hookspecs(HookSpecs)
         self._origins: dict[int, str] = {}
         self._entries: dict[tuple[str, str], Registered] = {}
-
-        import cbcore.backends
-        import cbcore.policies
-
-        self._add_plugin(cbcore.policies, "built-in")
-        self._add_plugin(cbcore.backends, "built-in")
-        for ep in importlib.metadata.entry_points(group=PROJECT):
+        #: Entry points that failed to load or register: (name, why). Reported by `cb plugins`.
+        self.broken: list[tuple[str, str]] = []
+        points = sorted(importlib.metadata.entry_points(group=PROJECT), key=lambda ep: _dist(ep) != PROJECT)
+        for ep in points:
+            dist = _dist(ep)
+            origin = "built-in" if dist == PROJECT else f"entry point {dist}"
             try:
                 module = ep.load()
-            except Exception as exc:  # a broken third-party package must name itself
-                raise PluginError(f"entry point {ep.name!r} ({ep.value}) failed to load: {exc}") from exc
-            dist = ep.dist.name if ep.dist is not None else ep.value
-            self._add_plugin(module, f"entry point {dist}")
+                self._add_plugin(module, origin)
+                self._collect(module)
+            except Exception as exc:  # a broken third-party package names itself and is skipped
+                why = f"{type(exc).__name__}: {exc}"
+                self.broken.append((f"{ep.name} ({ep.value}, {origin})", why))
+                log.error("plugin entry point skipped", entry_point=ep.name, value=ep.value, error=why)
+        if not any(e.origin == "built-in" for e in self._entries.values()) and not self.broken:
+            raise PluginError("cbcore's built-in plugins are not registered: reinstall cbcore (pip install -e .)")
         for ref in extra_plugins:
-            self._add_plugin(load_module(ref), f"path {ref}")
-        self._collect()
+            module = load_module(ref)
+            self._add_plugin(module, f"path {ref}")
+            self._collect(module)
 
     def _add_plugin(self, module: ModuleType, origin: str) -> None:
-        if self.pm.is_registered(module):
-            return
-        self.pm.register(module, name=f"{origin}:{module.__name__}")
-        self._origins[id(module)] = origin
+        if not self.pm.is_registered(module):
+            self.pm.register(module, name=f"{origin}:{module.__name__}")
+            self._origins[id(module)] = origin
 
-    def _collect(self) -> None:
+    def _collect(self, module: ModuleType) -> None:
         for hook in (self.pm.hook.cbcore_register_policies, self.pm.hook.cbcore_register_backends):
-            for impl in hook.get_hookimpls():  # registration order (pluggy calls them in reverse)
-                origin = self._origins[id(impl.plugin)]
-                for cls in impl.function() or []:
-                    self._add_class(cls, origin)
+            for impl in hook.get_hookimpls():
+                if impl.plugin is module:
+                    for cls in impl.function() or []:
+                        self._add_class(cls, self._origins[id(module)])
 
     def _add_class(self, cls: type, origin: str) -> None:
         kind, name = _identity(cls, origin)
@@ -137,10 +159,8 @@ class Registry:
         raise PluginError(f"unknown {kind} plugin {name!r}{hint}; known: {', '.join(self.names(kind)) or 'none'}")
 
     def params_for(self, kind: str, name: str, params: dict[str, Any], where: str) -> BaseModel:
-        entry = self.get(kind, name)
-        model = getattr(entry.cls, "Params", None)
-        if model is None:
-            raise PluginError(f"{where}: plugin {name!r} has no Params model")
+        """The plugin's own ``Params`` model validated from ``params``; errors name ``where.key``."""
+        model = self.get(kind, name).cls.Params
         try:
             return model.model_validate(params, strict=True)
         except ValidationError as exc:
@@ -154,8 +174,11 @@ class Registry:
             raise PluginError(msg if msg.startswith(where) else f"{where}: {msg}") from None
 
     def create(self, kind: str, name: str, params: dict[str, Any], where: str, *args: Any) -> Any:
-        entry = self.get(kind, name)
-        return entry.cls(self.params_for(kind, name, params, where), *args)
+        return self.get(kind, name).cls(self.params_for(kind, name, params, where), *args)
+
+
+def _dist(ep: importlib.metadata.EntryPoint) -> str:
+    return ep.dist.name if ep.dist is not None else ep.value
 
 
 def _same_class(a: type, b: type) -> bool:
@@ -167,15 +190,6 @@ def _same_class(a: type, b: type) -> bool:
     except (TypeError, OSError):
         return False
     return same_file and a.__qualname__ == b.__qualname__
-
-
-def _base_classes() -> dict[str, type]:
-    from cbcore.execution.backend import Backend
-    from cbcore.scheduling.policy import POLICY_KINDS
-    from cbcore.scheduling.router import Router
-    from cbcore.scheduling.scheduler import SchedulerPlugin
-
-    return {**POLICY_KINDS, "scheduler": SchedulerPlugin, "router": Router, "backend": Backend}
 
 
 def _identity(cls: type, origin: str) -> tuple[str, str]:
@@ -190,11 +204,11 @@ def _identity(cls: type, origin: str) -> tuple[str, str]:
         raise PluginError(
             f"{cls!r} from {origin} is not a cbcore plugin: it needs a `name` and a `kind` in {KINDS}"
         )
-    base = _base_classes()[kind]
-    if not issubclass(cls, base):
+    base = BASES[kind]
+    if base not in {f"{c.__module__}.{c.__qualname__}" for c in cls.__mro__}:
         raise PluginError(
             f"{cls.__module__}.{cls.__qualname__} ({origin}) declares kind {kind!r} "
-            f"but does not subclass cbcore.{base.__qualname__}"
+            f"but does not subclass cbcore.{base.rpartition('.')[2]}"
         )
     params = getattr(cls, "Params", None)
     if not (isinstance(params, type) and issubclass(params, BaseModel)):
@@ -246,3 +260,37 @@ def load_class(ref: str) -> type:
 def get_registry(extra_plugins: tuple[str, ...] = ()) -> Registry:
     """The process-wide registry (cached per list of extra plugin modules)."""
     return Registry(extra_plugins)
+
+
+# -- "did you mean ...?" for unknown names: plugin names, config keys, request fields --------
+
+
+def did_you_mean(name: object, known: Iterable[str]) -> str:
+    """`` (did you mean 'priority'?)`` when a known name is close to ``name``, else ``""``."""
+    if not isinstance(name, str):
+        return ""
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def fields_at(model: type[BaseModel] | None, path: Iterable[Any]) -> list[str]:
+    """The field names of the (sub)model at ``path`` inside ``model``; [] where it cannot tell."""
+    for part in path:
+        if model is None:
+            return []
+        annotation = getattr(model.model_fields.get(str(part)), "annotation", None)
+        model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+    return list(model.model_fields) if model is not None else []
+
+
+def validation_problems(exc: ValidationError, model: type[BaseModel] | None = None, prefix: str = "") -> list[str]:
+    """``key.path: message`` per problem; an unknown key gets the closest known one suggested."""
+    problems = []
+    for err in exc.errors():
+        loc = [str(p) for p in err["loc"]]
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden" and loc:
+            msg += did_you_mean(loc[-1], fields_at(model, loc[:-1]))
+        where = ".".join(p for p in (prefix, *loc) if p)
+        problems.append(f"{where}: {msg}" if where else msg)
+    return problems

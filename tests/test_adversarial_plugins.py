@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 from cbcore import Engine, EngineConfig, SamplingParams, SchedulerError
 from cbcore.testing import assert_equivalent, compare_greedy, reference_generate, tiny_model
+from cbcore.testing.block_invariants import check_blocks
 
 HERE = str(Path(__file__).with_name("adversarial_plugins.py"))
 MAX_STEPS = 150
@@ -123,7 +124,7 @@ def test_no_plugin_makes_the_engine_lie_hang_or_leak(target, kind, at, reqs, swa
             for out in engine.step():
                 if out.finished:
                     finished[out.request_id] = out
-            engine.scheduler.blocks.check(live_seqs(engine))
+            check_blocks(engine.scheduler.blocks, live_seqs(engine))
             steps += 1
     except SchedulerError as exc:
         error = exc
@@ -131,7 +132,7 @@ def test_no_plugin_makes_the_engine_lie_hang_or_leak(target, kind, at, reqs, swa
     if error is not None:
         assert plan.fired, f"an error without a fault: {error}"
         assert culprit_of(target, swap) in str(error), error
-        engine.scheduler.blocks.check(live_seqs(engine))
+        check_blocks(engine.scheduler.blocks, live_seqs(engine))
     # Every request that finished normally is token-exact against its prompt run alone.
     done = [o for rid, o in finished.items() if rid in which and o.finish_reason != "abort"]
     assert all(o.finish_reason in ("stop", "length") for o in done), [o.error for o in done]
@@ -143,5 +144,5 @@ def test_no_plugin_makes_the_engine_lie_hang_or_leak(target, kind, at, reqs, swa
         engine.abort(rid)
     assert not engine.has_unfinished()
     blocks = engine.scheduler.blocks
-    blocks.check([])
+    check_blocks(blocks, [])
     assert blocks.num_free_blocks == blocks.num_blocks

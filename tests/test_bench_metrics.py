@@ -18,8 +18,7 @@ from cbcore.bench.metrics import (
 from cbcore.bench.report import ratios, table
 from cbcore.bench.suite import BenchResult
 from cbcore.bench.workload import BenchRequest
-from cbcore.outputs import RequestMetrics, RequestOutput
-from cbcore.stats import StepStats
+from cbcore.outputs import RequestMetrics, RequestOutput, StepStats
 
 
 def output(

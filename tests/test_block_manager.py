@@ -10,6 +10,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from cbcore.scheduling.block_manager import BlockManager
 from cbcore.scheduling.sampling_params import SamplingParams
 from cbcore.scheduling.sequence import Sequence
+from cbcore.testing.block_invariants import check_blocks
 
 NUM_BLOCKS, BLOCK_SIZE, HOST_BLOCKS = 12, 4, 6
 
@@ -104,7 +105,7 @@ class BlockMachine(RuleBasedStateMachine):
 
     @invariant()
     def no_block_owned_twice_or_leaked(self):
-        self.blocks.check(self.live)
+        check_blocks(self.blocks, self.live)
         used = sum(len(s.block_table) for s in self.live)
         assert self.blocks.num_used_blocks == used
         host_used = sum(len(self.blocks.host_blocks_of(s)) for s in self.swapped)
@@ -141,7 +142,7 @@ def test_check_detects_a_block_in_two_tables_with_one_reference():
     blocks.grow(a, 4)
     b.block_table = list(a.block_table)
     with pytest.raises(AssertionError, match="in 2 block tables but its reference count is 1"):
-        blocks.check([a, b])
+        check_blocks(blocks, [a, b])
 
 
 def test_needing_a_block_agrees_with_blocks_needed():

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cbcore.cli.main import main
 from cbcore.cli.stream_util import OrderedStream
-from cbcore.detokenize import IncrementalDetokenizer
+from cbcore.models.detokenize import IncrementalDetokenizer
 from cbcore.testing import reference_generate
 from cbcore.testing.tiny_tokenizer import tiny_tokenizer
 

@@ -6,6 +6,7 @@ import hypothesis.strategies as st
 from hypothesis import HealthCheck, given, settings
 
 from cbcore import Engine, EngineConfig, SamplingParams
+from cbcore.testing.block_invariants import check_blocks
 
 REQUESTS = st.lists(
     st.tuples(st.integers(1, 30), st.integers(1, 20), st.integers(0, 2)), min_size=1, max_size=10
@@ -41,7 +42,7 @@ def test_random_workloads_keep_blocks_consistent(models, requests, num_blocks, p
     while engine.has_unfinished():
         engine.step()
         steps += 1
-        sched.blocks.check(sched.running)
+        check_blocks(sched.blocks, sched.running)
         assert all(not s.block_table for s in sched.waiting + sched.swapped)
         if abort_every and steps % abort_every == 0 and sched.running:
             engine.abort(sched.running[-1].request_id)

@@ -30,7 +30,10 @@ def test_load_follows_requests_through_the_engine(models):
     while engine.has_unfinished():
         engine.step()
     # Back to idle; the prefix cache looked up every prompt once (no shared prefix: no hits).
-    assert engine.load() == dataclasses.replace(idle, prefix_cache_queries_tokens=sum(map(len, prompts)))
+    assert dataclasses.replace(engine.load(), recent_step_s=0.0) == dataclasses.replace(
+        idle, prefix_cache_queries_tokens=sum(map(len, prompts))
+    )
+    assert engine.load().recent_step_s > 0
     with pytest.raises(dataclasses.FrozenInstanceError):
         load.num_running = 0  # type: ignore[misc]
 

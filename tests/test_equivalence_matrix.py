@@ -38,6 +38,7 @@ from cbcore.testing import (
     shared_prefix_prompts,
     tiny_model,
 )
+from cbcore.testing.block_invariants import check_blocks
 from cbcore.testing.mixes import CACHE_AWARE_MIXES, POLICY_MIXES, available_mixes
 
 CPU = torch.device("cpu")
@@ -103,13 +104,13 @@ class CacheProbe:
     def __init__(self, engine: Engine) -> None:
         self.events = dict.fromkeys(("mid_chunk", "shared_recompute", "shared_swap", "own_prefix"), 0)
         sched, blocks = engine.scheduler, engine.scheduler.blocks
-        preempt, schedule, record = sched._preempt, sched.schedule, blocks.record_lookup
+        preempt, schedule, record = sched.preempt, sched.schedule, blocks.record_lookup
 
-        def watch_preempt(victim, plan, now):
+        def watch_preempt(victim, out, now):
             if any(blocks.ref_count(b) > 1 for b in victim.block_table):
-                swaps = sched.preemption.mode == "swap" and blocks.can_swap_out(victim)
+                swaps = sched.policies.preemption.mode == "swap" and blocks.can_swap_out(victim)
                 self.events["shared_swap" if swaps else "shared_recompute"] += 1
-            return preempt(victim, plan, now)
+            return preempt(victim, out, now)
 
         def watch_schedule():
             out = schedule()
@@ -125,7 +126,7 @@ class CacheProbe:
                 self.events["own_prefix"] += 1  # a recomputed sequence found (part of) its own KV
             return record(seq, hit)
 
-        sched._preempt, sched.schedule, blocks.record_lookup = watch_preempt, watch_schedule, watch_record
+        sched.preempt, sched.schedule, blocks.record_lookup = watch_preempt, watch_schedule, watch_record
 
 
 @pytest.mark.parametrize(("backend", "mix", "family"), PREFIX_MATRIX)
@@ -138,7 +139,7 @@ def test_float32_greedy_with_prefix_cache_hits_is_token_exact(models, backend, m
     outputs = engine.generate(PREFIX_PROMPTS, [SamplingParams(max_new_tokens=c) for c in PREFIX_CAPS])
     assert_equivalent(compare_greedy(model, outputs, prefix_reference(family)))
     blocks, events = engine.scheduler.blocks, probe.events
-    blocks.check([])
+    check_blocks(blocks, [])
     assert blocks.prefix_cache_hits_tokens > 0
     scheduler = MIXES[mix]["scheduler"]
     if scheduler["prefill"]["name"] == "chunked-prefill":

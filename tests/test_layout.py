@@ -107,3 +107,76 @@ def _resolve(ref: str) -> object:
 @pytest.mark.parametrize("ref", sorted(_documented_modules()))
 def test_every_module_path_in_the_docs_exists(ref: str) -> None:
     _resolve(ref)
+
+
+# -- no import cycle, few top-level modules ---------------------------------------------------
+
+#: Where each cbcore package lives in the source tree (the build maps policies/ and backends/ in).
+SOURCES = {"cbcore": PKG, "cbcore.policies": ROOT / "policies", "cbcore.backends": ROOT / "backends"}
+MAX_TOP_LEVEL_MODULES = 8
+
+
+def _module_files() -> dict[str, Path]:
+    files = {}
+    for package, folder in SOURCES.items():
+        for path in sorted(folder.rglob("*.py")):
+            parts = path.relative_to(folder).with_suffix("").parts
+            name = ".".join((package, *parts))
+            files[name.removesuffix(".__init__")] = path
+    return files
+
+
+def import_graph(files: dict[str, Path]) -> dict[str, set[str]]:
+    """module -> the cbcore modules it imports (``from a import b`` counts as ``a.b`` when that is a module)."""
+    return {name: {m for m in _imports(path) if m in files} - {name} for name, path in files.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycle_inside_cbcore() -> None:
+    """Counting lazy and TYPE_CHECKING imports too: a cycle hidden in a function is still a cycle."""
+    assert cycles(import_graph(_module_files())) == []
+
+
+def test_the_cycle_check_finds_a_cycle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(graph) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_top_of_cbcore_has_at_most_eight_modules() -> None:
+    top = sorted(p.name for p in PKG.glob("*.py"))
+    assert len(top) <= MAX_TOP_LEVEL_MODULES, top

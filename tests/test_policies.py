@@ -169,7 +169,7 @@ class AdmitsNobody(BudgetPolicy):
 def test_a_step_that_plans_nothing_with_work_left_raises_a_stall_naming_the_policies() -> None:
     run = FakeRun(budget=AdmitsNobody())
     run.add("r", 4)
-    with pytest.raises(SchedulerStall, match=r"1 waiting.*admits-nobody"):
+    with pytest.raises(SchedulerStall, match=r"admits-nobody.*planned no tokens while work waits \(1 waiting"):
         run.step()
 
 
@@ -213,7 +213,7 @@ def test_abort_frees_everything_wherever_the_request_is(where: str) -> None:
     if where == "swapped":
         run.add("urgent", 8, 2)
         a.priority = 5
-        run.sched.queue = Priority()
+        run.sched.policies.queue = Priority()
         run.step()
         assert a.status is SequenceStatus.SWAPPED
     run.sched.abort("a")

@@ -18,6 +18,7 @@ from cbcore.scheduling.block_manager import BlockManager
 from cbcore.scheduling.prefix_hash import chain_hashes
 from cbcore.scheduling.sampling_params import SamplingParams
 from cbcore.scheduling.sequence import Sequence
+from cbcore.testing.block_invariants import check_blocks
 
 NUM_BLOCKS, BLOCK_SIZE, HOST_BLOCKS = 16, 4, 8
 # Prompts drawn from a couple of stems over a tiny alphabet, so prefixes are shared often.
@@ -156,7 +157,7 @@ class PrefixMachine(RuleBasedStateMachine):
 
     @invariant()
     def books_balance(self):
-        self.blocks.check(self.live)
+        check_blocks(self.blocks, self.live)
         assert self.blocks.num_used_blocks == len({b for s in self.live for b in s.block_table})
 
     @invariant()
@@ -185,7 +186,7 @@ class PrefixMachine(RuleBasedStateMachine):
             self.blocks.free(seq)
         for seq in list(self.swapped):
             self.blocks.drop_host(seq)
-        self.blocks.check([])
+        check_blocks(self.blocks, [])
         assert self.blocks.num_free_blocks == NUM_BLOCKS
         assert self.blocks.num_free_host_blocks == HOST_BLOCKS
 
@@ -212,7 +213,7 @@ def test_a_hit_shares_full_blocks_and_always_leaves_the_last_token():
     b = _seq("b", list(range(1, 9)))
     assert blocks.acquire_cached(b) == 4  # the whole prompt is cached, but its last token must run
     assert b.block_table == a.block_table[:1] and blocks.ref_count(a.block_table[0]) == 2
-    blocks.check([a, b])
+    check_blocks(blocks, [a, b])
 
 
 def test_salts_isolate_and_freed_blocks_stay_findable_until_evicted():
@@ -225,7 +226,7 @@ def test_salts_isolate_and_freed_blocks_stay_findable_until_evicted():
     hog = _seq("hog", [9] * 13)
     blocks.grow(hog, 13)  # needs all four blocks: both cached ones are evicted
     assert blocks.num_cached_blocks == 0 and blocks.lookup(_seq("z", list(range(1, 10)))) == 0
-    blocks.check([hog])
+    check_blocks(blocks, [hog])
 
 
 def test_evictable_blocks_go_least_recently_used_first_and_tail_first():

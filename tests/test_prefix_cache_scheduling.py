@@ -7,6 +7,7 @@ import pytest
 from cbcore import Engine, EngineConfig, SamplingParams
 from cbcore.engine import RequestError
 from cbcore.testing import random_prompts
+from cbcore.testing.block_invariants import check_blocks
 
 STEM = random_prompts(1, 40, 40, seed=7)[0]  # ten blocks of 4
 
@@ -124,7 +125,7 @@ def test_a_policy_that_raises_during_admission_leaves_no_block_mapped(models):
         engine.step()
     seq = sched.get("hit")
     assert seq.block_table == [] and seq.num_computed_tokens == 0
-    sched.blocks.check(sched.running)
+    check_blocks(sched.blocks, sched.running)
     sched.prefill.num_tokens = real
     out = engine.step()  # and it is admitted normally afterwards, with its hit
     assert [o.request_id for o in out] == ["hit"] and engine.step_stats[-1].prefix_cache_hits_tokens == 40

@@ -24,6 +24,7 @@ from cbcore.policies import FCFS, ChunkedPrefill, Recompute, TokenBudget
 from cbcore.scheduling.scheduler import ScheduledSeq, SchedulerOutput, SchedulerPlugin
 from cbcore.scheduling.sequence import SequenceStatus
 from cbcore.testing import assert_equivalent, compare_greedy, reference_generate
+from cbcore.testing.block_invariants import check_blocks
 
 HERE = __file__
 EAGER = {"name": "eager"}
@@ -45,11 +46,11 @@ def assert_clean(engine: Engine) -> None:
     """Block bookkeeping is consistent, and after aborting everything no block is held."""
     sched = engine.scheduler
     live = list(getattr(sched, "running", []))  # the sequences holding device blocks
-    sched.blocks.check(live)
+    check_blocks(sched.blocks, live)
     for rid in list(engine._live):
         engine.abort(rid)
     assert not engine.has_unfinished()
-    sched.blocks.check([])
+    check_blocks(sched.blocks, [])
     assert sched.blocks.num_free_blocks == sched.blocks.num_blocks
 
 
@@ -323,7 +324,7 @@ def test_a_prefill_policy_that_ignores_tokens_left_is_stopped(models):
         engine.step()
     assert err.value.request_id == "b"
     assert all(engine._live[r].num_computed_tokens == 0 for r in "ab")  # nothing of the step applied
-    engine.scheduler.prefill.broken = False
+    engine.scheduler.policies.prefill.broken = False
     assert engine.abort("a") and engine.abort("b")
     run_exact(engine, model)
 

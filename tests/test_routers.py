@@ -37,7 +37,8 @@ def req(i: int, tokens: tuple[int, ...] = ()) -> RouteRequest:
 
 
 def test_builtin_routers_are_registered_as_kind_router() -> None:
-    assert get_registry().names("router") == ["least-loaded", "power-of-two", "prefix-affinity", "round-robin"]
+    builtin = sorted(e.name for e in get_registry().entries("router") if e.origin == "built-in")
+    assert builtin == ["least-loaded", "power-of-two", "prefix-affinity", "round-robin"]
     assert EngineConfig().router.name == "least-loaded"
 
 

@@ -32,6 +32,8 @@ from cbcore.scheduling.policy_scheduler import PolicyScheduler
 from cbcore.scheduling.sampling_params import SamplingParams
 from cbcore.scheduling.scheduler import SchedulerOutput
 from cbcore.scheduling.sequence import FinishReason, Sequence
+from cbcore.scheduling.step import Steps
+from cbcore.testing.block_invariants import check_blocks
 
 TOKEN = 7
 
@@ -69,6 +71,7 @@ class FakeRun:
             self.blocks,
             clock=lambda: self.now,
         )
+        self.rules = Steps(self.sched, self.sched.policies.names, lambda: self.now)
         self.kv = KVCache(2, num_blocks, block_size, 1, 2, torch.float32, "cpu", host_blocks) if kv else None
         self.seqs: dict[str, Sequence] = {}
         self.steps: list[Step] = []
@@ -91,7 +94,10 @@ class FakeRun:
         return seq
 
     def step(self) -> Step:
-        out = self.sched.schedule()
+        # Through the engine's step transaction: every plan is checked as the engine checks it.
+        tx = self.rules.begin([s for s in self.seqs.values() if not s.is_finished])
+        tx.plan()
+        out = tx.out
         if self.kv is not None:
             self.kv.copy_out(out.swap_out)
             self.kv.copy_in(out.swap_in)
@@ -119,7 +125,7 @@ class FakeRun:
                     seq.finish(FinishReason.LENGTH, self.now)
             results.append(StepResult(seq, n, token))
         self.sched.on_step_end(out, results)
-        self.blocks.check(self.sched.running)
+        check_blocks(self.blocks, self.sched.running)
         self.steps.append(record)
         self.now += self.dt
         return record

@@ -25,6 +25,7 @@ from cbcore.sim.profile import Identity, Profile, ProfileError, load_profile
 from cbcore.sim.profiler import QUICK, _Recording, make_profile, profile_config
 from cbcore.sim.shape import StepShape
 from cbcore.sim.suite import simulate_suite
+from cbcore.testing.block_invariants import check_blocks
 
 DATA = Path(__file__).parent / "data"
 # Lengths differ per request, all arrive at t=0: the schedule then depends on no clock.
@@ -97,7 +98,7 @@ def test_the_simulated_schedule_is_the_engines_step_for_step(models, tiny_profil
         assert a.finish_reason == b.finish_reason == "length"
         assert len(a.output_token_ids) == len(b.output_token_ids) == req.max_new_tokens
         assert a.metrics.num_preemptions == b.metrics.num_preemptions
-    sim.scheduler.blocks.check([])
+    check_blocks(sim.scheduler.blocks, [])
     assert sim.scheduler.blocks.num_used_blocks == 0
     # Virtual time: every step cost exactly what the profile says, nothing else moved the clock.
     assert sim_run.duration_s == pytest.approx(sum(s.forward_s for s in sim_run.steps))

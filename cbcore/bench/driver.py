@@ -20,9 +20,8 @@ from cbcore.bench.arrivals import Arrivals
 from cbcore.bench.workload import BenchRequest, Workload
 from cbcore.engine import Engine
 from cbcore.engine_core import EngineCore, RequestError, StepRecord
-from cbcore.outputs import RequestOutput
+from cbcore.outputs import RequestOutput, StepStats
 from cbcore.scheduling.sampling_params import SamplingParams
-from cbcore.stats import StepStats
 
 
 class Progress(Protocol):

@@ -19,7 +19,7 @@ from typing import Any
 from cbcore.bench.driver import ProgressFactory, RunResult, no_progress
 from cbcore.bench.workload import BenchRequest, Workload
 from cbcore.outputs import RequestMetrics, RequestOutput
-from cbcore.scheduling.request_fields import thaw
+from cbcore.scheduling.request import thaw
 
 
 def run_http(

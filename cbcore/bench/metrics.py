@@ -18,8 +18,7 @@ from statistics import fmean
 from typing import Any
 
 from cbcore.bench.workload import BenchRequest
-from cbcore.outputs import RequestMetrics, RequestOutput
-from cbcore.stats import StepStats
+from cbcore.outputs import RequestMetrics, RequestOutput, StepStats
 
 #: Steps with at least this many sequences count for ``engine_overhead_share_8plus``.
 BUSY_SEQS = 8

@@ -25,18 +25,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationError, model_validator
 
 from cbcore.config import format_validation_error
-from cbcore.scheduling.request_fields import EMPTY_ATTRS, FieldError, freeze_attrs, thaw
+from cbcore.scheduling.request import EMPTY_ATTRS, RequestFields, freeze_attrs, thaw
 
 
 class WorkloadError(ValueError):
     """A workload spec or trace is malformed; the message names the key or line."""
 
 
-class TraceRecord(BaseModel):
-    """One line of a JSONL trace."""
+class TraceRecord(RequestFields):
+    """One line of a JSONL trace: the prompt, its arrival, and the shared scheduling fields."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
@@ -45,21 +45,8 @@ class TraceRecord(BaseModel):
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     max_new_tokens: int = Field(ge=1)
-    priority: int = 0
-    client_id: str = Field("default", min_length=1)
-    deadline_s: float | None = Field(None, gt=0, allow_inf_nan=False, description="Seconds after arrival.")
-    attrs: dict[str, Any] = Field(default_factory=dict, description="JSON attributes policies may read.")
     ignore_eos: bool = False
     follows: str | None = Field(None, min_length=1, description="Request whose answer this one continues.")
-
-    @field_validator("attrs")
-    @classmethod
-    def _json_attrs(cls, value: dict[str, Any]) -> dict[str, Any]:
-        try:
-            freeze_attrs(value)
-        except FieldError as exc:
-            raise ValueError(str(exc)) from None
-        return value
 
     @model_validator(mode="after")
     def _one_prompt(self) -> TraceRecord:

@@ -52,8 +52,7 @@ def scheduler_from_mix(mix: str, plugins: tuple[str, ...] = ()) -> dict[str, Any
     says its kind; slots not named keep their defaults. Two names of one kind
     are an error.
     """
-    from cbcore.plugins import PluginError, get_registry
-    from cbcore.suggest import did_you_mean
+    from cbcore.plugins import PluginError, did_you_mean, get_registry
 
     registry = get_registry(plugins)
     section: dict[str, Any] = {}

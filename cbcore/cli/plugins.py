@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 from pydantic import BaseModel
@@ -53,6 +54,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=2, default=str))
     else:
         print(table(rows), end="")
+    for name, why in registry.broken:  # skipped, so that the others still work; said, never silent
+        print(f"warning: entry point {name} failed to load and was skipped: {why}", file=sys.stderr)
     return 0
 
 

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from cbcore.cli.main import CLIError
-from cbcore.scheduling.request_fields import FieldError, freeze_attrs
+from cbcore.plugins import validation_problems
+from cbcore.scheduling.request import RequestFields
 from cbcore.scheduling.sampling_params import SamplingParams
-from cbcore.suggest import validation_problems
 
 SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")
 
@@ -32,7 +32,9 @@ class Message(BaseModel):
     content: str
 
 
-class RequestRecord(BaseModel):
+class RequestRecord(RequestFields):
+    """A request file's line: the prompt, sampling fields, and the shared scheduling fields."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
 
     id: str | None = Field(None, min_length=1)
@@ -43,19 +45,6 @@ class RequestRecord(BaseModel):
     top_k: int | None = None
     top_p: float | None = None
     seed: int | None = None
-    priority: int = 0
-    client_id: str = Field("default", min_length=1)
-    deadline_s: float | None = Field(None, gt=0, allow_inf_nan=False)
-    attrs: dict[str, Any] = Field(default_factory=dict)
-
-    @field_validator("attrs")
-    @classmethod
-    def _json_attrs(cls, value: dict[str, Any]) -> dict[str, Any]:
-        try:
-            freeze_attrs(value)
-        except FieldError as exc:
-            raise ValueError(str(exc)) from None
-        return value
 
     @model_validator(mode="after")
     def _one_prompt(self) -> RequestRecord:

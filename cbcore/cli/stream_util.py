@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, TextIO
 
-from cbcore.detokenize import IncrementalDetokenizer
+from cbcore.models.detokenize import IncrementalDetokenizer
 
 
 class OrderedStream:

@@ -10,7 +10,7 @@ torch version, and later engines on the same combination run that choice;
 ``execution.linear_calibration: fresh`` measures again and replaces it.
 
 The file is ``linear-order.json`` in cbcore's cache directory
-(:func:`cbcore.cache.cache_root`). It is a cache: a file
+(:func:`cbcore.config.cache_root`). It is a cache: a file
 that cannot be read is measured over (with a warning), one that cannot be
 written only costs the next process its calibration time.
 """
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from cbcore.cache import cache_root
+from cbcore.config import cache_root
 from cbcore.log import get_logger
 
 log = get_logger(__name__)

@@ -22,7 +22,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from cbcore.cache import cache_root
+from cbcore.config import cache_root
 from cbcore.execution.linear_cache import hardware_name
 from cbcore.log import get_logger
 

@@ -17,7 +17,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from cbcore.cache import cache_root
+from cbcore.config import cache_root
 from cbcore.log import get_logger
 from cbcore.models import ModelLoadError
 

@@ -24,10 +24,9 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 
 from cbcore.log import get_logger
-from cbcore.outputs import RequestOutput
+from cbcore.outputs import EngineLoad, RequestOutput
 from cbcore.scale.replica import Batch
 from cbcore.serve.engine_loop import Accepted, Failed, Handle, Observer, Submission
-from cbcore.stats import EngineLoad
 
 log = get_logger(__name__)
 

@@ -19,9 +19,8 @@ from typing import Any
 
 from cbcore.config import EngineConfig
 from cbcore.log import get_logger
-from cbcore.outputs import RequestOutput
+from cbcore.outputs import EngineLoad, RequestOutput
 from cbcore.serve.engine_loop import EngineLoop, Event, Failed, Submission
-from cbcore.stats import EngineLoad
 
 log = get_logger(__name__)
 

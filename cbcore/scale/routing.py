@@ -21,10 +21,10 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from cbcore.config import PluginSpec
 from cbcore.log import get_logger
+from cbcore.outputs import EngineLoad
 from cbcore.plugins import get_registry
 from cbcore.scheduling.router import ReplicaView, Router, RouteRequest, RouterError
 from cbcore.serve.engine_loop import Submission
-from cbcore.stats import EngineLoad
 
 log = get_logger(__name__)
 

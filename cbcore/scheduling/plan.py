@@ -39,3 +39,14 @@ class StepPlan:
     rows: list[RowPlan] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+
+
+@dataclass
+class Sampled:
+    """What execution gives back: one token per sampling row of the plan."""
+
+    rows: list[int]  # indices into SchedulerOutput.scheduled of the rows that sampled
+    tokens: list[int]
+    logprobs: list[dict[int, float] | None]
+    # Per row, why its sampling failed (that request alone ends with an error), or None.
+    errors: list[str | None] | None = None

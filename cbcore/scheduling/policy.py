@@ -183,7 +183,13 @@ class PrefillPolicy(Policy):
 
 
 class PreemptionPolicy(Policy):
-    """Picks a victim when the KV cache cannot grow, and says how to evict it."""
+    """Picks a victim when the KV cache cannot grow, and says how to evict it.
+
+    The candidates are the running sequences not yet scheduled this step. The
+    running phase serves sequences in the queue policy's order, so the queue's
+    order decides who *can* be evicted (those it ranks last) and this policy
+    which of them is.
+    """
 
     kind: ClassVar[str] = "preemption"
     mode: Literal["recompute", "swap"] = "recompute"

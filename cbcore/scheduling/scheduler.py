@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol, runtime_checkable
@@ -58,7 +59,10 @@ class Scheduler(Protocol):
     """Decides, every step, which sequences run and with how many tokens.
 
     The scheduler owns the waiting/running/swapped sets and the KV block
-    bookkeeping; the engine owns the model and the tokens.
+    bookkeeping; the engine owns the model and the tokens. ``snapshot()`` is
+    taken before every step and returns what puts the scheduler's *own* state
+    (its queues, counters) back if the step fails; the engine restores the
+    sequences and the block manager itself (:mod:`cbcore.scheduling.step`).
     """
 
     blocks: BlockManager
@@ -68,6 +72,7 @@ class Scheduler(Protocol):
     def on_step_end(self, output: SchedulerOutput, results: Seq[StepResult]) -> None: ...
     def abort(self, request_id: str) -> Sequence | None: ...
     def has_unfinished(self) -> bool: ...
+    def snapshot(self) -> Callable[[], None]: ...
 
 
 class SchedulerPlugin:
@@ -84,6 +89,10 @@ class SchedulerPlugin:
     def __init__(self, params: object, blocks: BlockManager) -> None:
         self.params = params
         self.blocks = blocks
+
+    def snapshot(self) -> Callable[[], None]:
+        """Override to restore private queues after a failed step (sequences and blocks are the engine's)."""
+        return lambda: None
 
 
 class SchedulerError(RuntimeError):

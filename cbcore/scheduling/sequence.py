@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from cbcore.scheduling.request_fields import EMPTY_ATTRS
+from cbcore.scheduling.request import EMPTY_ATTRS
 from cbcore.scheduling.sampling_params import SamplingParams
 
 

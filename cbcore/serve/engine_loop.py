@@ -20,9 +20,8 @@ from typing import Any
 
 from cbcore.engine import Engine, RequestError
 from cbcore.log import get_logger
-from cbcore.outputs import RequestOutput
+from cbcore.outputs import EngineLoad, RequestOutput
 from cbcore.scheduling.sampling_params import SamplingParams
-from cbcore.stats import EngineLoad
 
 log = get_logger(__name__)
 

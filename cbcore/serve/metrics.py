@@ -21,8 +21,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from cbcore.config import EngineConfig
 from cbcore.engine import StepRecord
-from cbcore.outputs import RequestOutput
-from cbcore.stats import EngineLoad
+from cbcore.outputs import EngineLoad, RequestOutput
 
 PREFIX = "cbcore:"
 LATENCY_BUCKETS = (

@@ -12,7 +12,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any
 
-from cbcore.detokenize import IncrementalDetokenizer
+from cbcore.models.detokenize import IncrementalDetokenizer
 
 
 @dataclass(frozen=True)

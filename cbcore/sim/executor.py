@@ -13,8 +13,9 @@ import math
 from typing import Any
 
 from cbcore.config import EngineConfig
-from cbcore.engine_core import EngineCore, Sampled, build_scheduler
-from cbcore.scheduling.plan import StepPlan
+from cbcore.engine_core import EngineCore
+from cbcore.scheduling.plan import Sampled, StepPlan
+from cbcore.scheduling.policy_scheduler import build_scheduler
 from cbcore.scheduling.scheduler import SchedulerOutput
 from cbcore.sim.profile import Profile
 from cbcore.sim.shape import StepShape
@@ -61,7 +62,7 @@ class SimExecutor:
         self.busy_s += cost
         self.clock.advance(cost)
 
-    def sample(self, shape: StepShape, forwarded: Any) -> Sampled:
+    def sample(self, shape: StepShape, forwarded: Any, rng_states: list) -> Sampled:
         n = shape.num_samples
         return Sampled(list(shape.sample_rows), [FILLER_TOKEN] * n, [None] * n)
 
@@ -81,7 +82,7 @@ def sim_num_blocks(config: EngineConfig, profile: Profile) -> int:
 def sim_engine(config: EngineConfig, profile: Profile, clock: VirtualClock | None = None) -> EngineCore:
     """An engine core for ``config`` whose steps cost what ``profile`` says, on ``clock``."""
     clock = clock if clock is not None else VirtualClock()
-    scheduler, _ = build_scheduler(config, sim_num_blocks(config, profile), clock)
+    scheduler, names = build_scheduler(config, sim_num_blocks(config, profile), clock)
     model = profile.model
     return EngineCore(
         config,
@@ -89,6 +90,7 @@ def sim_engine(config: EngineConfig, profile: Profile, clock: VirtualClock | Non
         scheduler,
         vocab_size=model.vocab_size,
         max_model_len=config.model.max_model_len or model.max_position_embeddings,
+        names=names,
         clock=clock,
         deltas=False,
     )

@@ -22,10 +22,10 @@ import torch
 
 from cbcore.config import EngineConfig
 from cbcore.engine import Engine
-from cbcore.engine_core import Executor, Sampled, StepRecord
+from cbcore.engine_core import Executor, StepRecord
 from cbcore.execution.linear_cache import hardware_name
 from cbcore.log import get_logger
-from cbcore.scheduling.plan import StepPlan
+from cbcore.scheduling.plan import Sampled, StepPlan
 from cbcore.scheduling.sampling_params import SamplingParams
 from cbcore.scheduling.scheduler import SchedulerOutput
 from cbcore.sim.fitted import fit_cost
@@ -90,8 +90,8 @@ class _Recording:
     def forward(self, prepared: Any) -> Any:
         return self.inner.forward(prepared)
 
-    def sample(self, prepared: Any, forwarded: Any) -> Sampled:
-        return self.inner.sample(prepared, forwarded)
+    def sample(self, prepared: Any, forwarded: Any, rng_states: list) -> Sampled:
+        return self.inner.sample(prepared, forwarded, rng_states)
 
 
 def profile_config(config: EngineConfig, grid: Grid) -> EngineConfig:

@@ -12,9 +12,9 @@ from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 
 from cbcore.bench.workload import BenchRequest
+from cbcore.outputs import EngineLoad
 from cbcore.scheduling.router import ReplicaView, Router, RouteRequest, checked_choice
 from cbcore.sim.loop import Replica
-from cbcore.stats import EngineLoad
 
 
 def replica_ids(n: int) -> list[str]:

@@ -23,6 +23,7 @@ from cbcore.execution.batch import build_flat_batch
 from cbcore.scheduling.block_manager import BlockManager
 from cbcore.scheduling.sampling_params import SamplingParams
 from cbcore.scheduling.sequence import Sequence
+from cbcore.testing.block_invariants import check_blocks
 
 BLOCK_SIZE = 16
 
@@ -100,7 +101,7 @@ def test_kv_allocate_and_free_256_sequences_of_512_tokens(benchmark) -> None:
 
     assert benchmark(cycle) == 256 * 32
     assert blocks.num_free_blocks == blocks.num_blocks
-    blocks.check(seqs)
+    check_blocks(blocks, seqs)
 
 
 def test_kv_decode_growth_256_sequences(benchmark) -> None:
@@ -121,4 +122,4 @@ def test_kv_decode_growth_256_sequences(benchmark) -> None:
 
     grown = benchmark.pedantic(step, rounds=1, iterations=1)
     assert grown == sum(1 for i in range(256) if (100 + i) % BLOCK_SIZE == 0)
-    blocks.check(seqs)
+    check_blocks(blocks, seqs)

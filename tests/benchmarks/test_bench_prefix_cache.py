@@ -14,6 +14,7 @@ import pytest
 from cbcore.scheduling.block_manager import BlockManager
 from cbcore.scheduling.sampling_params import SamplingParams
 from cbcore.scheduling.sequence import Sequence
+from cbcore.testing.block_invariants import check_blocks
 
 PROMPT_LEN, BLOCK_SIZE = 4096, 16
 PROMPT = [3 + (i * 7919) % 49_000 for i in range(PROMPT_LEN)]
@@ -52,4 +53,4 @@ def test_hash_match_and_map_a_4k_prompt(benchmark) -> None:
 
     hit = benchmark.pedantic(acquire, setup=lambda: ((seq(PROMPT),), {}), rounds=200)
     assert hit == PROMPT_LEN - BLOCK_SIZE
-    blocks.check([])
+    check_blocks(blocks, [])

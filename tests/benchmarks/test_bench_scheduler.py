@@ -20,11 +20,11 @@ import pytest
 from cbcore.plugins import get_registry
 from cbcore.scheduling.block_manager import BlockManager
 from cbcore.scheduling.plan import RowPlan, StepPlan
-from cbcore.scheduling.plan_check import checked_plan
 from cbcore.scheduling.policy_scheduler import PolicyScheduler
 from cbcore.scheduling.sampling_params import SamplingParams
 from cbcore.scheduling.scheduler import SchedulerOutput
 from cbcore.scheduling.sequence import Sequence, SequenceStatus
+from cbcore.scheduling.step import check_plan
 
 NUM_WAITING = 1000
 NUM_RUNNING = 256
@@ -136,9 +136,7 @@ def test_plan_check_cost(benchmark, checked: bool) -> None:
     out = sched.schedule()
     blocks = sched.blocks
     if checked:
-        plan, tokens, _ = benchmark(
-            checked_plan, out, blocks.block_size, blocks.num_blocks, blocks.num_host_blocks, "bench"
-        )
+        plan, tokens, _ = benchmark(check_plan, out, blocks, "bench")
         assert tokens == out.num_tokens
     else:
         plan = benchmark(_unchecked_plan, out)

@@ -1,0 +1,187 @@
+"""A request at the door: the fields policies read, and what must hold before it is queued.
+
+:class:`RequestFields` is the one model of the per-request scheduling fields;
+the engine, the server's wire models, request files and workload traces all
+validate through it (they subclass it), so a field means the same everywhere
+and is refused the same way. It is strict: a policy reads these fields every
+step, so a string where a number belongs, or an attribute that is not plain
+JSON, must be refused here rather than surface as a wrong decision later.
+``attrs`` is stored as a deep, read-only copy, so neither the caller nor a
+policy can change what another policy sees.
+
+:func:`check_request` refuses what could never run to completion (empty or
+unknown tokens, no room in the model's context or in the whole KV cache), and
+:func:`max_new_tokens_limit` is the one place that says how many tokens a
+prompt may still generate: the server's ``max_tokens`` check uses it too.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Annotated, Any
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+from cbcore.scheduling.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+EMPTY_ATTRS: Mapping[str, Any] = MappingProxyType({})
+
+
+class RequestError(ValueError):
+    """A request was refused before it ran; the message says what was wrong with it."""
+
+
+def _strict_int(name: str):
+    def check(value: object) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        return value
+
+    return BeforeValidator(check)
+
+
+def _nonempty_str(name: str):
+    def check(value: object) -> str:
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"{name} must be a non-empty str, got {value!r}")
+        return value
+
+    return BeforeValidator(check)
+
+
+def _deadline(value: object) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"deadline_s must be a number of seconds or None, got {type(value).__name__} {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"deadline_s must be finite and > 0, got {value!r}")
+    return float(value)
+
+
+def freeze_attrs(attrs: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    """A read-only deep copy of ``attrs``; raises ValueError on anything but JSON values.
+
+    Objects become read-only mappings and arrays tuples, so a policy cannot
+    change them; :func:`thaw` turns them back into plain JSON.
+    """
+    if attrs is None:
+        return EMPTY_ATTRS
+    if not isinstance(attrs, Mapping):
+        raise ValueError(f"attrs must be a mapping of str to JSON values, got {type(attrs).__name__}")
+    return _freeze(attrs, "attrs")
+
+
+def _freeze(value: Any, where: str) -> Any:
+    if value is None or isinstance(value, bool | str):
+        return value
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{where}: {value!r} is not a JSON number")
+        return value
+    if isinstance(value, Mapping):
+        frozen = {}
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise ValueError(f"{where}: key {key!r} is not a str")
+            frozen[key] = _freeze(item, f"{where}.{key}")
+        return MappingProxyType(frozen)
+    if isinstance(value, list | tuple):
+        return tuple(_freeze(item, f"{where}[{i}]") for i, item in enumerate(value))
+    raise ValueError(f"{where}: {type(value).__name__} {value!r} is not a JSON value")
+
+
+def thaw(value: Any) -> Any:
+    """Plain JSON (dicts and lists) from a frozen attribute value."""
+    if isinstance(value, Mapping):
+        return {key: thaw(item) for key, item in value.items()}
+    if isinstance(value, tuple | list):
+        return [thaw(item) for item in value]
+    return value
+
+
+class RequestFields(BaseModel):
+    """What policies read to tell requests apart (docs/policies.md); subclassed by every wire format."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    priority: Annotated[int, _strict_int("priority")] = Field(0, description="Smaller is served first by 'priority'.")
+    client_id: Annotated[str, _nonempty_str("client_id")] = Field("default", description="Tenant, for fair share.")
+    deadline_s: Annotated[float | None, BeforeValidator(_deadline)] = Field(
+        None, description="Seconds after arrival by which the request should be done (met: e2e <= deadline_s)."
+    )
+    attrs: Annotated[Any, BeforeValidator(freeze_attrs)] = Field(
+        default_factory=lambda: EMPTY_ATTRS, description="Free-form JSON attributes policies may read (stored read-only)."
+    )
+
+
+def check_request_id(value: object) -> str:
+    if not isinstance(value, str) or not value:
+        raise RequestError(f"request_id must be a non-empty str, got {value!r}")
+    return value
+
+
+def encode_prompt(prompt: Prompt, request_id: str, tokenizer: Any | None) -> list[int]:
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise RequestError(f"request {request_id}: a text prompt needs a tokenizer; pass token ids")
+        return list(tokenizer.encode(prompt))
+    if not isinstance(prompt, list | tuple) or not all(type(t) is int for t in prompt):
+        raise RequestError(f"request {request_id}: a prompt is a string or a list of int token ids")
+    return list(prompt)
+
+
+def max_new_tokens_limit(prompt_len: int, max_model_len: int | None, kv_capacity_tokens: int) -> int:
+    """The most tokens a prompt of ``prompt_len`` may generate here (< 1: none).
+
+    The model's context holds prompt + output; the KV cache holds all but the
+    last generated token (it is never fed back, so it needs no slot).
+    """
+    by_kv = kv_capacity_tokens - prompt_len + 1
+    return by_kv if max_model_len is None else min(by_kv, max_model_len - prompt_len)
+
+
+def check_request(
+    token_ids: list[int],
+    request_id: str,
+    params: SamplingParams,
+    vocab_size: int,
+    max_model_len: int | None,
+    kv_capacity_tokens: int,
+) -> None:
+    where = f"request {request_id}"
+    if not token_ids:
+        raise RequestError(f"{where}: the prompt is empty")
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise RequestError(f"{where}: token id {bad[0]} is outside the vocabulary (size {vocab_size})")
+    stops = [t for t in params.stop_token_ids if t >= vocab_size]
+    if stops:
+        raise RequestError(f"{where}: stop token id {stops[0]} is outside the vocabulary (size {vocab_size})")
+    n = len(token_ids)
+    if max_model_len is not None and n >= max_model_len:
+        raise RequestError(
+            f"{where}: the prompt has {n} tokens, which leaves no room in the model's context of "
+            f"{max_model_len} tokens"
+        )
+    if n > kv_capacity_tokens:
+        raise RequestError(
+            f"{where}: the prompt has {n} tokens but the whole KV cache holds {kv_capacity_tokens}; "
+            "raise kv_cache.num_blocks"
+        )
+    m = params.max_new_tokens
+    if max_model_len is not None and n + m > max_model_len:
+        raise RequestError(
+            f"{where}: the prompt's {n} tokens + max_new_tokens {m} exceed the model's context of "
+            f"{max_model_len} tokens; lower max_new_tokens to {max_model_len - n} or less"
+        )
+    if m > max_new_tokens_limit(n, None, kv_capacity_tokens):
+        raise RequestError(
+            f"{where}: the prompt's {n} tokens + max_new_tokens {m} needs KV for {n + m - 1} tokens but the "
+            f"whole cache holds {kv_capacity_tokens}; raise kv_cache.num_blocks or lower max_new_tokens"
+        )

@@ -1,0 +1,328 @@
+"""One engine step as a transaction: snapshot, check the plan, then commit or undo.
+
+A scheduler is outside code (four policies, or a whole-scheduler plugin) and
+a wrong plan would not fail loudly: a sequence scheduled twice gets wrong
+tokens, a token without a KV slot overwrites another request's cache. So
+whatever produced the plan, :meth:`StepTransaction.plan` checks it before
+the runner sees it — per scheduled sequence: scheduled once; running; an int
+``1 .. pending`` tokens; a KV slot for each — and for the step: the budget's
+token and sequence limits, swap pairs naming real blocks, no host block both
+swapped out and in. It also keeps the progress guarantee: a scheduler that
+plans nothing while work waits (and changed nothing), or whose preemptions
+throw away more than a few KV caches' worth of work without one token being
+sampled, raises :class:`SchedulerStall`.
+
+Everything a step may change is captured first: the sequences that hold
+state (full fields) and those that wait (their waiting state), the block
+manager (rebuilt from the restored tables, so nothing is recorded per
+block), the scheduler's own queues (``snapshot()``), and the RNG state of the
+rows that sample. :meth:`StepTransaction.commit` appends the sampled tokens
+and tells the scheduler; any failure before the end — a plugin raising, a
+refused plan, a failed forward or event handler — is undone by
+:meth:`StepTransaction.undo`, which returns the error naming the plugin
+frame it came from, the method and the request. Policies' own state is
+theirs: they see no event that a step was undone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from operator import attrgetter
+from types import TracebackType
+from typing import Any
+
+from cbcore.scheduling.plan import RowPlan, Sampled, StepPlan
+from cbcore.scheduling.policy import StepResult
+from cbcore.scheduling.scheduler import Scheduler, SchedulerError, SchedulerOutput, SchedulerStall
+from cbcore.scheduling.sequence import FinishReason, Sequence, SequenceStatus
+
+MAX_IDLE_STEPS = 8
+WINDOW_CAPACITIES = 4
+_seq_of = attrgetter("seq")
+
+
+class Steps:
+    """The engine's standing rules for one scheduler: what to call it in errors, and its progress."""
+
+    def __init__(self, scheduler: Scheduler, names: Mapping[int, str], clock: Callable[[], float]) -> None:
+        self.scheduler, self.names, self.clock = scheduler, dict(names), clock
+        policies = getattr(scheduler, "policies", None)
+        self.culprit = self.names.get(id(scheduler)) or (
+            policies.culprit if policies is not None else f"scheduler {type(scheduler).__name__}"
+        )
+        self.window = WINDOW_CAPACITIES * scheduler.blocks.capacity_tokens
+        self.spent = 0  # tokens computed since a token was last sampled
+        self.idle = 0  # steps in a row that computed nothing
+
+    def begin(self, live: Iterable[Sequence]) -> StepTransaction:
+        return StepTransaction(self, live)
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)``; an exception out of plugin code becomes a :class:`SchedulerError` naming it."""
+        try:
+            return fn(*args)
+        except Exception as exc:
+            named = self.named(exc)
+            if named is exc:
+                raise
+            raise named from exc
+
+    def named(self, exc: BaseException) -> BaseException:
+        """``exc`` as a :class:`SchedulerError` naming the plugin frame it came from (else unchanged)."""
+        if isinstance(exc, SchedulerError):
+            return exc
+        found = blame(exc, self.names)
+        if found is None:
+            return exc
+        plugin, method, request_id = found
+        about = f" for request {request_id!r}" if request_id else ""
+        err = SchedulerError(
+            f"{plugin} raised in {method}(){about}: {type(exc).__name__}: {exc}; the engine is as before the step",
+            plugin=plugin,
+            rule=f"{method}() raised",
+            request_id=request_id,
+        )
+        err.__cause__ = exc
+        return err
+
+    def observe(self, out: SchedulerOutput, computed: int, sampled: int, waiting: str = "") -> None:
+        """The progress guarantee, for one checked plan (``waiting`` says what waits, for the message)."""
+        if computed == 0 and not out.failed:
+            if not self.call(self.scheduler.has_unfinished):
+                return
+            self.idle += 1
+            moved = out.preempted or out.swap_out or out.swap_in
+            if not moved or self.idle > MAX_IDLE_STEPS:
+                what = "changed nothing" if not moved else f"computed nothing for {self.idle} steps"
+                raise SchedulerStall(
+                    f"{self.culprit} planned no tokens while work waits ({waiting}) and {what}: it would spin forever",
+                    plugin=self.culprit,
+                    rule="a step computes tokens while work waits",
+                )
+            return
+        self.idle = 0
+        if sampled:
+            self.spent = 0
+            return
+        self.spent += computed
+        if self.spent > self.window:
+            raise SchedulerStall(
+                f"{self.culprit} computed {self.spent} tokens without sampling one (more than {WINDOW_CAPACITIES}x "
+                "the KV cache's capacity): preemptions keep throwing work away, a livelock",
+                plugin=self.culprit,
+                rule="preemptions do not undo all progress",
+            )
+
+
+class StepTransaction:
+    """What one step changed, so that it can be undone; created by :meth:`Steps.begin`."""
+
+    def __init__(self, steps: Steps, live: Iterable[Sequence]) -> None:
+        self.steps = steps
+        sched = self.scheduler = steps.scheduler
+        self.since = steps.clock()
+        self.held, self.idle = [], []
+        for s in live:
+            if s.block_table or s.status is not SequenceStatus.WAITING:
+                self.held.append((s, s.status, s.num_computed_tokens, s.num_preemptions, s.block_table, len(s.block_table)))
+            else:
+                self.idle.append(s)
+        self.blocks_point = sched.blocks.undo_point()
+        self.restore_own = steps.call(sched.snapshot)
+        self.out: SchedulerOutput | None = None
+        self.rng: list[tuple[Any, Any]] = []  # (generator, state before sampling)
+        self.appended: list[tuple[Sequence, bool]] = []  # (seq, whether it had a first token before)
+
+    def plan(self) -> StepPlan:
+        """Ask the scheduler, check its answer, save the RNG of the rows that will sample."""
+        out = self.out = self.steps.call(self.scheduler.schedule)
+        plan, computed, sampled = check_plan(out, self.scheduler.blocks, self.steps.culprit)
+        self.steps.observe(out, computed, sampled, f"{len(self.idle)} waiting, {len(self.held)} holding KV")
+        self.rng = [(row.generator, row.generator.get_state()) for row in plan.rows if row.generator is not None]
+        return plan
+
+    def commit(
+        self, sampled: Sampled, finish: Callable[[Sequence, int, float], None]
+    ) -> tuple[dict[Sequence, int], list[Sequence]]:
+        """Append each sampling row's token (``finish`` decides whether it ends there) and tell the scheduler.
+
+        Returns the new token of each sequence that sampled and the sequences
+        whose sampling failed (they alone end with an error).
+        """
+        out = self.out
+        assert out is not None
+        now = self.steps.clock()
+        new_token: dict[Sequence, int] = {}
+        failed: list[Sequence] = []
+        errors = sampled.errors or [None] * len(sampled.rows)
+        for row, token, logprobs, error in zip(sampled.rows, sampled.tokens, sampled.logprobs, errors, strict=True):
+            seq = out.scheduled[row].seq
+            seq.num_computed_tokens = seq.num_tokens
+            if error is not None:
+                seq.finish(FinishReason.ERROR, now, error)
+                failed.append(seq)
+                continue
+            self.appended.append((seq, seq.first_token_time is not None))
+            seq.append_token(token, now)
+            if logprobs is not None:
+                seq.logprobs.append(logprobs)
+            finish(seq, token, now)
+            new_token[seq] = token
+        results = []
+        for item in out.scheduled:
+            seq = item.seq
+            if seq not in new_token and not seq.is_finished:  # a non-final prefill chunk
+                seq.num_computed_tokens += item.num_tokens
+            results.append(StepResult(seq, item.num_tokens, new_token.get(seq)))
+        self.scheduler.on_step_end(out, results)
+        return new_token, failed
+
+    def undo(self, exc: BaseException) -> BaseException:
+        """Put everything back as it was before the step; return ``exc`` named after its plugin."""
+        for seq, had_first in reversed(self.appended):
+            seq.token_ids.pop()
+            seq.token_times.pop()
+            if len(seq.logprobs) > seq.num_output_tokens:
+                seq.logprobs.pop()
+            if not had_first:
+                seq.first_token_time = None
+        for generator, state in self.rng:
+            generator.set_state(state)
+        self.restore_own()
+        live = []
+        for seq, status, computed, preemptions, table, n in self.held:
+            del table[n:]
+            seq.status, seq.num_computed_tokens, seq.num_preemptions, seq.block_table = status, computed, preemptions, table
+            seq.finish_reason = seq.finish_time = seq.error = None
+            live.append(seq)
+        for seq in self.idle:
+            seq.status, seq.num_computed_tokens, seq.block_table = SequenceStatus.WAITING, 0, []
+            if seq.first_scheduled_time is not None and seq.first_scheduled_time >= self.since:
+                seq.first_scheduled_time = None  # first admitted by the step being undone
+            seq.finish_reason = seq.finish_time = seq.error = None
+        self.scheduler.blocks.reset_to(live, self.blocks_point)
+        return self.steps.named(exc)
+
+
+def check_plan(out: SchedulerOutput, blocks: Any, culprit: str) -> tuple[StepPlan, int, int]:
+    """The runner's plan for ``out``, its tokens and its sampling rows; raises naming ``culprit`` and the rule.
+
+    The per-row checks run in the loop that builds the plan anyway, so they
+    add a few comparisons per row (``tests/benchmarks/test_bench_scheduler.py``).
+    """
+    if not isinstance(out, SchedulerOutput):
+        _fail(culprit, "schedule() returns a SchedulerOutput", f"got {type(out).__name__}")
+    block_size = blocks.block_size
+    scheduled = out.scheduled
+    rows = []
+    append = rows.append
+    total = sampled = 0
+    running = SequenceStatus.RUNNING
+    try:
+        for item in scheduled:
+            seq = item.seq
+            n = item.num_tokens
+            start = seq.num_computed_tokens
+            end = start + n
+            tokens = seq.token_ids
+            ids = tokens[start:end]
+            table = seq.block_table
+            # The slice is n long only if n tokens are pending; n > 0; a slot for each; running.
+            if not (len(ids) == n > 0 <= start and end <= len(table) * block_size and seq.status is running):
+                _diagnose(item, block_size, culprit)
+            if end == len(tokens):  # the row reaches the last token: it samples
+                sampled += 1
+                append(RowPlan(ids, start, table, seq.params, seq.generator))
+            else:
+                append(RowPlan(ids, start, table, None, None))
+            total += n
+    except (AttributeError, TypeError) as exc:
+        _fail(culprit, "each scheduled entry is a ScheduledSeq of a Sequence and an int", str(exc))
+    if type(total) is not int:
+        _fail(culprit, "token counts are ints", f"they sum to {total!r}")
+    if len(set(map(_seq_of, scheduled))) != len(scheduled):
+        seen: set[Sequence] = set()
+        twice = next(s.seq for s in scheduled if s.seq in seen or seen.add(s.seq))
+        _fail(culprit, "each sequence is scheduled at most once", f"{twice.request_id!r} appears twice", twice)
+    limits = out.limits
+    if limits is not None:
+        if total > limits.max_num_tokens and len(scheduled) > 1:  # one prompt alone may exceed it
+            _fail(culprit, "the step's tokens fit its budget", f"{total} tokens, budget {limits.max_num_tokens}")
+        if len(scheduled) > limits.max_num_seqs:
+            _fail(culprit, "the step's sequences fit its budget", f"{len(scheduled)}, limit {limits.max_num_seqs}")
+    if out.swap_out or out.swap_in:
+        for what, pairs, first, second in (
+            ("swap_out", out.swap_out, blocks.num_blocks, blocks.num_host_blocks),
+            ("swap_in", out.swap_in, blocks.num_host_blocks, blocks.num_blocks),
+        ):
+            for pair in pairs:
+                a, b = pair
+                if not (type(a) is int and type(b) is int and 0 <= a < first and 0 <= b < second):
+                    _fail(culprit, "swap pairs name existing blocks", f"{what} pair {pair!r}")
+        if {h for h, _ in out.swap_in} & {h for _, h in out.swap_out}:
+            _fail(culprit, "no host block is swapped out and in in one step", "a host block is both")
+    return StepPlan(rows, out.swap_out, out.swap_in), total, sampled
+
+
+def _diagnose(item: Any, block_size: int, culprit: str) -> None:
+    seq, n = item.seq, item.num_tokens
+    rid = seq.request_id
+    if seq.status is not SequenceStatus.RUNNING:
+        state = f"{seq.status.value} ({seq.finish_reason})" if seq.is_finished else seq.status.value
+        _fail(culprit, "only running sequences are scheduled", f"{rid!r} is {state}", seq)
+    if seq.num_computed_tokens < 0:
+        _fail(culprit, "computed tokens are never negative", f"{rid!r} has {seq.num_computed_tokens}", seq)
+    if not isinstance(n, int) or n < 1:
+        _fail(culprit, "a scheduled sequence computes at least 1 token", f"{rid!r} got {n!r}", seq)
+    if n > seq.num_pending_tokens:
+        _fail(culprit, "tokens within the pending tokens", f"{rid!r}: {n} > {seq.num_pending_tokens} pending", seq)
+    _fail(
+        culprit,
+        "a KV slot is allocated for every token",
+        f"{rid!r} computes up to token {seq.num_computed_tokens + n} but its {len(seq.block_table)} blocks hold "
+        f"{len(seq.block_table) * block_size}",
+        seq,
+    )
+
+
+def _fail(culprit: str, rule: str, detail: str, seq: Sequence | None = None) -> None:
+    raise SchedulerError(
+        f"{culprit} broke the rule '{rule}': {detail}; nothing of this step was applied",
+        plugin=culprit,
+        rule=rule,
+        request_id=getattr(seq, "request_id", None),
+    )
+
+
+def blame(exc: BaseException, names: Mapping[int, str]) -> tuple[str, str, str | None] | None:
+    """(plugin, method, request id) of the plugin frame the exception came from, or None.
+
+    The engine looks in the traceback instead of wrapping every policy call,
+    so naming the culprit costs nothing on the steps that succeed. The first
+    plugin met from the outside is the one the engine or scheduler called;
+    its innermost frame is the method that raised (``key`` rather than the
+    ``order`` that called it). The request is one that method was looking at,
+    else the one the scheduler was serving when it called it.
+    """
+    found: tuple[str, str, str | None] | None = None
+    owner: object = None
+    outer: str | None = None  # the request a frame outside the plugin was working on
+    tb: TracebackType | None = exc.__traceback__
+    while tb is not None:
+        local = tb.tb_frame.f_locals
+        obj = local.get("self")
+        if obj is not None and (owner is None or obj is owner) and id(obj) in names:
+            owner = obj
+            request = _request_in(local) or (found[2] if found else None) or outer
+            found = (names[id(obj)], tb.tb_frame.f_code.co_name, request)
+        elif owner is None:
+            outer = _request_in(local) or outer
+        tb = tb.tb_next
+    return found
+
+
+def _request_in(local: Mapping[str, object]) -> str | None:
+    for value in local.values():
+        if isinstance(value, Sequence):
+            return value.request_id
+    return None
