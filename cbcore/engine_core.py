@@ -62,11 +62,8 @@ class StepRecord:
 
 
 class Executor(Protocol):
-    """Runs a checked plan. The engine times ``prepare``, ``forward`` and ``sample`` separately.
-
-    ``sample`` gets the RNG states the step saved before it (to redo a row
-    alone with the draws it would get alone, if sampling the batch fails).
-    """
+    """Runs a checked plan, timed in three parts; ``sample`` gets the RNG states saved before it
+    (to redo a row alone, with the draws it would get alone, if sampling the batch fails)."""
 
     def prepare(self, out: SchedulerOutput, plan: StepPlan) -> Any: ...
     def forward(self, prepared: Any) -> Any: ...
@@ -319,16 +316,11 @@ class EngineCore:
         attrs: Mapping[str, Any] | Seq[Mapping[str, Any] | None] | None = None,
         progress: bool = False,
     ) -> list[RequestOutput]:
-        """Run ``prompts`` to completion on this engine's own step loop; outputs come back in prompt order.
+        """Run ``prompts`` to completion; outputs in prompt order. Per-request arguments: one value or one per prompt.
 
-        Each per-request argument is one value for every prompt or a list with
-        one per prompt. A prompt that is refused (empty, too long, can never
-        fit the KV cache, a bad field) yields an output with
-        ``finish_reason="error"`` and the reason in ``error``; one aborted
-        meanwhile (by a step listener, say) yields ``finish_reason="abort"``;
-        the other prompts run normally. If a step raises (a scheduler plugin's
-        error, say), every request of this call is aborted before the
-        exception propagates, so the engine is idle and reusable.
+        A refused prompt (empty, too long, a bad field) yields ``finish_reason="error"`` with the reason,
+        one aborted meanwhile (by a step listener, say) ``"abort"``; the others run normally. If a step
+        raises, this call's requests are aborted first, so the engine is idle and reusable.
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             raise TypeError("generate() takes a list of prompts (strings or token-id lists)")
