@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import time
 import urllib.request
 from collections import Counter
@@ -226,3 +227,63 @@ def test_route_prefix_is_checked_before_anything_starts() -> None:
     for bad in ("one", "/one/", "/a b", "//x"):
         with pytest.raises(ValueError, match="route_prefix"):
             ScaleOptions(route_prefix=bad)
+
+
+VIEW_ROUTER = '''
+import json
+from pydantic import BaseModel, ConfigDict
+from cbcore import Router, hookimpl
+
+
+class ViewParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    path: str
+
+
+class Views(Router):
+    """Least in flight; appends what it was shown to a JSON-lines file (it runs in the ingress)."""
+
+    name = "views"
+    Params = ViewParams
+
+    def choose(self, request, replicas):
+        loads = [None if r.load is None else [r.load.num_waiting_tokens, r.load.num_running_tokens,
+                 r.load.kv_blocks_used, r.load.recent_step_s] for r in replicas]
+        with open(self.params.path, "a") as f:
+            f.write(json.dumps({"id": request.request_id, "prompt_len": request.num_prompt_tokens,
+                                "max_tokens": request.max_tokens, "priority": request.priority,
+                                "client": request.client_id, "deadline_s": request.deadline_s,
+                                "attrs": dict(request.attrs), "loads": loads}) + "\\n")
+        return min(replicas, key=lambda r: (r.num_in_flight, r.replica_id)).replica_id
+
+
+@hookimpl
+def cbcore_register_policies():
+    return [Views]
+'''
+
+
+def test_routers_on_ray_see_the_request_fields_and_replica_tokens(
+    port: int, cb_tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    plugin, seen = tmp_path / "views.py", tmp_path / "seen.jsonl"
+    plugin.write_text(VIEW_ROUTER)
+    data = {"model": {"path": str(cb_tiny_model_dir)}, "kv_cache": KV, "plugins": [str(plugin)],
+            "router": {"name": "views", "path": str(seen)}}  # fmt: skip
+    url = start(EngineConfig.from_dict(data), OPTIONS, MODEL, host=HOST, port=port)
+    c = client(url)
+    body = {"ignore_eos": True, "priority": 1, "deadline_s": 2.5, "attrs": {"tier": "gold"}}
+    for i in range(6):
+        c.completions.create(model=MODEL, prompt=list(range(3, 40)), max_tokens=9, temperature=0,
+                             user="alice", extra_body=body)  # fmt: skip
+        if i == 2:
+            time.sleep(2 * OPTIONS.load_interval_s)  # let a report with running tokens reach the router
+    rows = [json.loads(line) for line in seen.read_text().splitlines()]
+    mine = [r for r in rows if r["client"] == "alice"]
+    assert len(mine) == 6
+    for row in mine:
+        assert (row["prompt_len"], row["max_tokens"], row["priority"], row["deadline_s"], row["attrs"]) == (
+            37, 9, 1, 2.5, {"tier": "gold"}
+        )
+    reported = [load for row in rows for load in row["loads"] if load is not None]
+    assert reported and all(len(load) == 4 for load in reported)

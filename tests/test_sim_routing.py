@@ -88,3 +88,51 @@ def test_cb_simulate_compares_routers_over_replicas(tmp_path: Path, capsys) -> N
     assert {r["kv_blocks"] for r in rows} == {json.loads(alone.read_text())["rows"][0]["kv_blocks"]}
     assert main(["simulate", "--profile", "h200-llama-3-8b", "--router", "round-robin"]) == 2
     assert "--router needs --replicas" in capsys.readouterr().err
+
+
+class Watching(Router):
+    """Records the request fields and replica loads it is shown (what a deadline-aware router reads)."""
+
+    name = "watching"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.requests: list = []
+        self.loads: list = []
+
+    def choose(self, request, replicas):
+        self.requests.append(request)
+        self.loads.extend(r.load for r in replicas if r.load is not None)
+        return min(replicas, key=lambda r: (r.num_in_flight, r.replica_id)).replica_id
+
+
+def test_routers_see_what_policies_see_and_each_replicas_tokens() -> None:
+    from cbcore.bench.workload import BenchRequest, Workload
+
+    profile = load_profile("h200-llama-3-8b")
+    reqs = tuple(
+        BenchRequest(f"r{i}", 0.001 * i, 8 + i, prompt_token_ids=tuple(range(1, 30 + i)), priority=i % 2,
+                     client_id=f"c{i % 3}", deadline_s=1.0 + i, attrs={"tier": "gold" if i % 2 else "free"})
+        for i in range(24)
+    )  # fmt: skip
+    workload = Workload("views", reqs)
+    ids = [r.token_ids(None) for r in reqs]
+    cfg = EngineConfig.from_dict({}, ["scheduler.budget.max_num_seqs=2"])
+    replicas = []
+    for _ in range(2):
+        clock = VirtualClock()
+        replicas.append(Replica(sim_engine(cfg, profile, clock), clock))
+    router = Watching()
+    placement = RouterPlacement(router, 2, {r.request_id: i for r, i in zip(reqs, ids, strict=True)}, 0.001)
+    simulate_run(replicas, "x", workload, ids, placement=placement)
+    seen = {r.request_id: r for r in router.requests}
+    assert len(seen) == len(reqs)
+    for req in reqs:
+        got = seen[req.request_id]
+        assert (got.num_prompt_tokens, got.max_tokens, got.priority, got.client_id, got.deadline_s) == (
+            len(req.prompt_token_ids), req.max_new_tokens, req.priority, req.client_id, req.deadline_s
+        )
+        assert got.attrs["tier"] == req.attrs["tier"]
+        assert router.predicted_output_len(got) == req.max_new_tokens
+    assert any(load.num_waiting_tokens > 0 for load in router.loads)  # queued prompts, priced in tokens
+    assert any(load.num_running_tokens > 0 and load.recent_step_s > 0 for load in router.loads)

@@ -10,31 +10,39 @@ application (:mod:`cbcore.scale`) and in simulation with N replicas.
 A router sees, per replica, a :class:`ReplicaView`: the replica's own load
 snapshot (``Engine.load()``: waiting, running, KV blocks), refreshed every
 ``load_interval_s`` and therefore possibly stale, and the router's exact
-count of requests it has sent there that have not finished. It sees the
-request as a :class:`RouteRequest`: prompt token ids (for cache affinity),
-priority and client id. Whatever a router returns is checked by
+count of requests it has sent there that have not finished; the load holds
+waiting and running token counts, KV use and the recent step time. It sees
+the request as a :class:`RouteRequest`: prompt token ids (for cache
+affinity), its output-length hint (``max_tokens``, and the router's
+:meth:`Router.predicted_output_len` hook), priority, client id, deadline and
+attrs: what a policy reads about a request, before any replica has it. Whatever a router returns is checked by
 :func:`checked_choice`; a wrong answer is a :class:`RouterError` naming the
 plugin, never a request sent nowhere.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 from pydantic import BaseModel
 
 from cbcore.plugins import NoParams
+from cbcore.scheduling.request import EMPTY_ATTRS
 
 
 class LoadView(Protocol):
-    """The part of an engine's load snapshot routers read (``cbcore.stats.EngineLoad`` fits it)."""
+    """The part of an engine's load snapshot routers read (``cbcore.outputs.EngineLoad`` fits it)."""
 
     num_waiting: int
     num_running: int
+    num_waiting_tokens: int  # prompt tokens the waiting requests still have to prefill
+    num_running_tokens: int  # tokens the running requests hold or compute
     kv_blocks_used: int
     kv_blocks_total: int
+    recent_step_s: float  # mean duration of the replica's last steps
 
 
 @dataclass(frozen=True)
@@ -64,12 +72,20 @@ class ReplicaView:
 
 @dataclass(frozen=True)
 class RouteRequest:
-    """What a router may read about the request being placed."""
+    """What a router may read about the request being placed: what a policy reads, before it runs."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...] = field(default=(), repr=False)
     priority: int = 0
     client_id: str = "default"
+    #: The output-length hint: the most tokens the request may generate (its ``max_tokens``).
+    max_tokens: int | None = None
+    deadline_s: float | None = None  # seconds after arrival by which it should be done
+    attrs: Mapping[str, Any] = field(default_factory=lambda: EMPTY_ATTRS, repr=False)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
 
 
 class RouterError(RuntimeError):
@@ -85,6 +101,14 @@ class Router:
 
     def __init__(self, params: BaseModel | None = None) -> None:
         self.params = params if params is not None else self.Params()
+
+    def predicted_output_len(self, request: RouteRequest) -> float:
+        """The output-length hook: tokens ``request`` is expected to generate (default: its ``max_tokens``).
+
+        Override it (or plug a predictor in through ``Params``, as contrib ``sjf`` does for queues) for a
+        router that balances expected work rather than request counts.
+        """
+        return float(request.max_tokens or 0)
 
     def choose(self, request: RouteRequest, replicas: Seq[ReplicaView]) -> str:
         """Return the ``replica_id`` of one of ``replicas`` (never empty, sorted by id)."""

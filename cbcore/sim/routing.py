@@ -56,6 +56,9 @@ class RouterPlacement:
             tuple(self.token_ids.get(request.request_id, ())),
             request.priority,
             request.client_id,
+            request.max_new_tokens,
+            request.deadline_s,
+            request.attrs,
         )
         index = self.ids.index(checked_choice(self.router, req, views))
         self.in_flight[index] += 1
