@@ -23,8 +23,8 @@ from cbcore.policies.chunked_prefill import ChunkedPrefillParams
 from cbcore.policies.preemption import PreemptionParams, pick_victim
 from cbcore.policies.priority import PriorityParams
 from cbcore.policies.static import StaticParams
-from cbcore.scheduling.policy import BudgetPolicy, PreemptionPolicy, SchedulerState, StepLimits
-from cbcore.scheduling.scheduler import SchedulerStall
+from cbcore.scheduling.policy import BudgetPolicy, PreemptionPolicy, QueuePolicy, SchedulerState, StepLimits
+from cbcore.scheduling.scheduler import SchedulerError, SchedulerStall
 from cbcore.scheduling.sequence import FinishReason, SequenceStatus
 
 
@@ -221,3 +221,24 @@ def test_abort_frees_everything_wherever_the_request_is(where: str) -> None:
     assert run.blocks.num_free_host_blocks == 8
     run.run()
     assert run.blocks.num_free_blocks == 6
+
+
+class DriftingKeys(QueuePolicy):
+    """Declares fixed keys but reads the clock: exactly what ``fixed_keys`` promises not to do."""
+
+    name = "drifting-keys"
+    fixed_keys = True
+
+    def key(self, seq, now):  # type: ignore[no-untyped-def]
+        return (now, seq.arrival_time)
+
+
+def test_a_queue_that_declares_fixed_keys_is_held_to_them_at_admission() -> None:
+    run = FakeRun(queue=DriftingKeys(), budget=budget(max_seqs=1))
+    run.add("a", 4, 2)
+    run.add("b", 4, 2)
+    run.step()  # a is admitted in the step of its arrival (the clock has not moved): its key holds
+    with pytest.raises(SchedulerError) as err:
+        run.run()
+    assert err.value.rule == "with fixed_keys, key() never changes after arrival"
+    assert "drifting-keys" in str(err.value) and err.value.request_id == "b"
