@@ -78,12 +78,13 @@ def per_class(
             groups.setdefault(label, []).append(i)
         result[dim] = {
             label: class_stats([requests[i] for i in idx], [outputs[i] for i in idx], slo)
-            for label, idx in sorted(groups.items(), key=lambda kv: _sort_key(kv[0]))
+            for label, idx in sorted(groups.items(), key=lambda kv: sort_label(kv[0]))
         }
     return result
 
 
-def _sort_key(label: str) -> tuple[int, float, str]:
+def sort_label(label: str) -> tuple[int, float, str]:
+    """Numeric class labels (priorities) in numeric order, before the others."""
     try:
         return (0, float(label), label)
     except ValueError:

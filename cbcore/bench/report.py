@@ -59,8 +59,9 @@ def table(result: BenchResult) -> str:
         return "  ".join([first, *(c.rjust(w) for c, w in zip(cells[1:], widths[1:], strict=True))])
 
     w = result.workload
+    over = "per value, over up to" if "sweep" in w else "over"
     lines = [
-        f"workload {w['name']}: {w['num_requests']} requests over {w['arrival_span_s']:.1f} s "
+        f"workload {w['name']}: {w['num_requests']} requests {over} {w['arrival_span_s']:.1f} s "
         "(latencies in ms; overhead = share of busy time outside the model forward)",
         fmt_line(header),
         fmt_line(["-" * n for n in widths]),
@@ -121,8 +122,8 @@ def write_csv(result: BenchResult, path: str | Path) -> None:
             writer.writerow({k: json.dumps(v) if isinstance(v, dict | list) else v for k, v in row.items()})
 
 
-def plot(result: BenchResult, path: str | Path) -> None:
-    """Latency CDFs (TTFT, TPOT, ITL, e2e, queue) and output tokens/s, one colour per row."""
+def plot(result: BenchResult, path: str | Path, command: str = "cb bench") -> None:
+    """Latency CDFs (TTFT, TPOT, ITL, e2e, queue) and output tokens/s, one colour per row; titled ``command``."""
     try:
         import matplotlib
     except ImportError:
@@ -173,7 +174,7 @@ def plot(result: BenchResult, path: str | Path) -> None:
         ):
             _class_bars(ax, ok, key, scale, color)
             ax.set_title(f"per class: {title}")
-    fig.suptitle(f"cb bench: {result.workload['name']} ({result.workload['num_requests']} requests)")
+    fig.suptitle(f"{command}: {result.workload['name']} ({result.workload['num_requests']} requests)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -17,6 +17,7 @@ import copy
 import os
 import sys
 import tempfile
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +31,16 @@ workloads:
       keys: n, rate (req/s, inf = all at t=0), burstiness (1 = Poisson), lengths (fixed, uniform,
       sharegpt), input_len, output_len (means), range_ratio, sigma, max_input, max_output,
       clients (a:3/b:1), priorities (0:1/1:3), ignore_eos, seed,
+      deadlines (mean deadline_s per priority class, 0:2/1:30; classes not named get none),
+      deadline_spread (each deadline drawn uniformly in mean * [1 - s, 1 + s], default 0.5;
+      a request met its deadline when it completed with end-to-end latency <= deadline_s),
       system_len (tokens of a shared system prompt), system_prompts (distinct ones, by client),
       turns (per conversation: turn k+1 = turn k + its answer + new text, sent think_s after the answer)
+
+sweeps:
+  --sweep KEY=V1,V2,...                 every row at each value of one generator key: one row per
+                                        value x configuration (JSON rows carry sweep_key, sweep_value),
+                                        and --plot draws each metric against the value
 
 example:
   cb bench --workload seed --policy fcfs --policy priority+chunked --backend eager --backend sdpa \\
@@ -107,6 +116,12 @@ def add_row_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--policy", action="append", default=[], dest="policies", metavar="MIX", help="e.g. priority+chunked"
     )
+    parser.add_argument(
+        "--sweep",
+        metavar="KEY=V1,V2,...",
+        help="run every row at each value of one workload key (e.g. rate=2,3,4,5); --plot then draws "
+        "each metric against the value",
+    )
 
 
 def add_report_flags(parser: argparse.ArgumentParser) -> None:
@@ -119,8 +134,8 @@ def add_report_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
-def write_reports(result: Any, args: argparse.Namespace) -> None:
-    """The table on stdout, then the files the report flags asked for."""
+def write_reports(result: Any, args: argparse.Namespace, command: str) -> None:
+    """The table on stdout, then the files the report flags asked for (plots titled by ``command``)."""
     from cbcore.bench import report
 
     print(report.table(result))
@@ -128,8 +143,25 @@ def write_reports(result: Any, args: argparse.Namespace) -> None:
         report.write_json(result, args.json)
     if args.csv:
         report.write_csv(result, args.csv)
-    if args.plot:
-        report.plot(result, args.plot)
+    if args.plot and "sweep" in result.workload:
+        from cbcore.bench.sweep_report import plot_sweep
+
+        plot_sweep(result, args.plot, command)
+    elif args.plot:
+        report.plot(result, args.plot, command)
+
+
+def parse_sweep(args: argparse.Namespace) -> Any:
+    """The ``--sweep`` of the arguments, its points checked against the workload; None without one."""
+    from cbcore.bench.sweep import Sweep
+
+    if args.sweep is None:
+        return None
+    if args.save_trace:
+        raise CLIError("--save-trace with --sweep: each value draws another workload; save one point at a time")
+    sweep = Sweep.parse(args.sweep)
+    sweep.points(args.workload)
+    return sweep
 
 
 def build_configs(args: argparse.Namespace) -> list[tuple[str, Any]]:
@@ -151,6 +183,12 @@ def build_configs(args: argparse.Namespace) -> list[tuple[str, Any]]:
                 parts = [Path(path).stem if path else None, mix, backend]
                 name = "/".join(p for p in parts if p) or "default"
                 rows.append((name, engine_config(ns, extra)))
+    if len(args.configs) > 1 and args.policies or args.configs and len(args.policies) > 1:
+        print(
+            f"cb: note: {len(args.configs)} --config x {len(args.policies)} --policy = {len(rows)} rows "
+            "(each --policy replaces the scheduler section of each config)",
+            file=sys.stderr,
+        )
     models = {c.model.model_dump_json() for _, c in rows}
     if len(models) > 1:
         raise CLIError("all configurations must use the same model section (one model serves every row)")
@@ -174,6 +212,7 @@ def run(args: argparse.Namespace) -> int:
     if args.repeat < 1:
         raise CLIError(f"--repeat must be >= 1, got {args.repeat}")
     slo = SLO.parse(args.slo) if args.slo else None
+    sweep = parse_sweep(args)
     # A trace or spec is checked before the (slow) model load; drawing prompts needs the vocabulary.
     workload = None if is_generator(args.workload) else load_workload(args.workload)
     configs = build_configs(args)
@@ -188,19 +227,19 @@ def run(args: argparse.Namespace) -> int:
     if tokenizer is not None:
         vocab = min(vocab, len(tokenizer))
     special = list(getattr(tokenizer, "all_special_ids", []) or [])
-    if workload is None:
+    if workload is None and sweep is None:
         workload = load_workload(args.workload, vocab, special)
-    if args.save_trace:
+    if args.save_trace and workload is not None:
         workload.save(args.save_trace)
     with contextlib.ExitStack() as stack:
         servers = [(f"http:{url}", url) for url in args.servers]
         if args.serve:
             servers += start_servers(stack, configs, args.threads)
-        result = run_suite(
+        run = partial(
+            run_suite,
             model,
             tokenizer,
-            workload,
-            configs,
+            configs=configs,
             baselines=args.baselines,
             batch_size=batch_size,
             batch_tokens=batch_tokens,
@@ -211,7 +250,14 @@ def run(args: argparse.Namespace) -> int:
             servers=servers,
             api_key=args.api_key or os.environ.get("CBCORE_API_KEY"),
         )
-    write_reports(result, args)
+        if sweep is None:
+            result = run(workload=workload)
+        else:
+            from cbcore.bench.sweep import draw_points, run_sweep
+
+            points = draw_points(sweep, args.workload, vocab, special)
+            result = run_sweep(sweep, points, lambda p: run(workload=p.workload))
+    write_reports(result, args, "cb bench")
     return 1 if any("error" in row for row in result.rows) else 0
 
 

@@ -36,12 +36,18 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
         help="time nothing: fit the steps recorded in these profiles again (after the model form changed, "
         "or to join profiles of one machine taken at different times)",
     )
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="write the profile even when its held-out fit error is above the threshold "
+        "(cbcore.sim.profile.MAX_HOLDOUT_ERROR, 25 %%)",
+    )
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.refit:
-        return refit(args.refit, args.out)
+        return refit(args.refit, args.out, args.force)
     import torch
 
     from cbcore.cli.common import engine_config
@@ -65,12 +71,26 @@ def run(args: argparse.Namespace) -> int:
         print(f"profile: {what}", file=sys.stderr, flush=True)
 
     profile = make_profile(engine, name, grid, seed=args.seed, progress=note)
-    profile.save(args.out)
-    summarize(profile, args.out)
+    retry = (
+        "nothing was written. Run `cb profile` again when the machine is quiet (stop other jobs; "
+        "--threads below the number of idle cores), or pass --force to write it anyway"
+    )
+    write(profile, args.out, retry, args.force)
     return 0
 
 
-def refit(sources: list[str], out: str) -> int:
+def write(profile: Profile, out: str, retry: str, force: bool) -> None:
+    """Save ``profile`` unless its fit is too poor to price a simulation (and ``force`` is not set)."""
+    summarize(profile, out)
+    problem = profile.unreliable(f"profile {out}", retry)
+    if problem is not None and not force:
+        raise CLIError(problem)
+    if problem is not None:
+        print(f"cb: warning: {problem.split(';')[0]}; written anyway (--force)", file=sys.stderr)
+    profile.save(out)
+
+
+def refit(sources: list[str], out: str, force: bool = False) -> int:
     from cbcore.sim.fitted import FittedCost
     from cbcore.sim.fitted import refit as refit_cost
     from cbcore.sim.profile import ProfileError, load_profile
@@ -94,8 +114,8 @@ def refit(sources: list[str], out: str) -> int:
                     "only profiles of the same machine and set-up fit one model"
                 )
     profile = first.model_copy(update={"cost": refit_cost(*(p.cost for p in profiles))})
-    profile.save(out)
-    summarize(profile, out)
+    retry = "nothing was written. Time the steps again on a quiet machine, or pass --force to write it anyway"
+    write(profile, out, retry, force)
     return 0
 
 

@@ -11,14 +11,23 @@ import argparse
 import sys
 from typing import Any
 
-from cbcore.cli.bench import add_report_flags, add_row_flags, write_reports
+from cbcore.cli.bench import add_report_flags, add_row_flags, parse_sweep, write_reports
 from cbcore.cli.main import CLIError
 
 EPILOG = """\
 profiles: a file written by `cb profile`, or a built-in roofline profile
   (h100-llama-2-7b, h200-llama-3-8b); see docs/simulate.md for the file format.
 
-example:
+sweeps: --sweep KEY=V1,V2,... runs every row at each value of one workload key (one row per
+  value x configuration; --plot draws each metric against the value); --jobs N simulates N points
+  at once. Workload keys: see `cb bench --help` (deadlines=0:2/1:30 gives deadlines per priority).
+
+a measured profile whose held-out fit error is above 25 % is refused (the machine was probably
+  busy when it was timed); --force uses it anyway.
+
+examples:
+  cb simulate --profile h200-llama-3-8b --policy fcfs --policy edf --policy edf-demote \\
+      --workload poisson:n=2000,priorities=0:1/1:3,deadlines=0:2/1:30 --sweep rate=2,3,4,5 --jobs 2 --plot sweep.png
   cb simulate --profile h200-llama-3-8b --policy fcfs --policy priority --policy vtc --policy sjf \\
       --workload poisson:n=10000,rate=40,burstiness=0.3,clients=a:3/b:1,priorities=0:3/1:1 \\
       --set scheduler.budget.max_num_seqs=256 --set scheduler.budget.max_num_batched_tokens=8192 --json sim.json
@@ -46,7 +55,8 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
         default=[],
         dest="routers",
         metavar="NAME",
-        help="with --replicas: one row per router (repeatable; default: the config's router)",
+        help="with --replicas: one row per router, in place of the config's router (repeatable; "
+        "default: the config's router)",
     )
     parser.add_argument(
         "--load-interval",
@@ -57,6 +67,14 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     )
     parser.add_argument(
         "--tokenizer", metavar="DIR", help="tokenizer for text prompts (default: the model's)"
+    )
+    parser.add_argument(
+        "--jobs", type=int, default=1, metavar="N", help="with --sweep: simulate N points at once in worker processes"
+    )
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="use a measured profile even when its held-out fit error is above the threshold (25 %%)",
     )
     add_report_flags(parser)
     parser.set_defaults(func=run, backends=[])
@@ -71,7 +89,18 @@ def run(args: argparse.Namespace) -> int:
     from cbcore.sim.suite import simulate_suite
 
     profile = load_profile(args.profile)
+    problem = profile.unreliable(
+        f"profile {args.profile}",
+        "run `cb profile` again when the machine is quiet, or pass --force to simulate with it anyway",
+    )
+    if problem is not None and not args.force:
+        raise CLIError(problem)
     slo = SLO.parse(args.slo) if args.slo else None
+    sweep = parse_sweep(args)
+    if args.jobs < 1:
+        raise CLIError(f"--jobs must be at least 1, got {args.jobs}")
+    if args.jobs > 1 and sweep is None:
+        raise CLIError("--jobs runs the points of a --sweep in parallel; without --sweep there is one point")
     configs = build_configs(args)
     if args.replicas < 1:
         raise CLIError(f"--replicas must be at least 1, got {args.replicas}")
@@ -79,42 +108,72 @@ def run(args: argparse.Namespace) -> int:
         if args.replicas == 1:
             raise CLIError("--router needs --replicas N with N > 1 (one engine has nothing to route)")
         configs = with_routers(configs, args.routers)
-    workload = load_workload(args.workload, profile.model.vocab_size)
-    if args.save_trace:
-        workload.save(args.save_trace)
-    tokenizer = None
-    if any(r.prompt_token_ids is None for r in workload.requests):
-        tokenizer = _tokenizer(args.tokenizer, configs[0][1].model.path)
-    result = simulate_suite(
-        profile,
-        workload,
-        prompt_token_ids(workload, tokenizer),
-        configs,
-        slo=slo,
-        progress=progress_factory(args.no_progress),
-        replicas=args.replicas,
-        load_interval_s=args.load_interval,
-    )
+    if sweep is not None:
+        result = _sweep(args, profile, sweep, configs, slo)
+    else:
+        workload = load_workload(args.workload, profile.model.vocab_size)
+        if args.save_trace:
+            workload.save(args.save_trace)
+        tokenizer = None
+        if any(r.prompt_token_ids is None for r in workload.requests):
+            tokenizer = _tokenizer(args.tokenizer, configs[0][1].model.path)
+        result = simulate_suite(
+            profile,
+            workload,
+            prompt_token_ids(workload, tokenizer),
+            configs,
+            slo=slo,
+            progress=progress_factory(args.no_progress),
+            replicas=args.replicas,
+            load_interval_s=args.load_interval,
+        )
     p = profile.identity
     print(
         f"simulated: {p.model} ({p.dtype}, {p.backend}) on {p.hardware}, {p.source} profile", file=sys.stderr
     )
-    write_reports(result, args)
+    if problem is not None:
+        print(f"cb: warning: {problem.split(';')[0]}; used anyway (--force)", file=sys.stderr)
+    write_reports(result, args, "cb simulate")
     return 0
+
+
+def _sweep(args: argparse.Namespace, profile: Any, sweep: Any, configs: list[tuple[str, Any]], slo: Any) -> Any:
+    """Every row at every value of the sweep, ``--jobs`` points at a time."""
+    from cbcore.bench.sweep import draw_points
+    from cbcore.cli.bench import progress_factory
+    from cbcore.sim.sweep import SimOptions, simulate_sweep
+
+    points = draw_points(sweep, args.workload, profile.model.vocab_size)
+    options = SimOptions(slo=slo, replicas=args.replicas, load_interval_s=args.load_interval)
+    # Worker processes draw no progress bars: several bars on one terminal garble each other.
+    progress = progress_factory(args.no_progress or args.jobs > 1)
+    return simulate_sweep(profile, sweep, points, configs, options, jobs=args.jobs, progress=progress)
 
 
 def with_routers(configs: list[tuple[str, Any]], routers: list[str]) -> list[tuple[str, Any]]:
     """Each row once per router, named ``row router``."""
+    from cbcore.cli.main import one_line
     from cbcore.config import ConfigError, EngineConfig
     from cbcore.plugins import PluginError
 
+    from cbcore.plugins import get_registry
+    from cbcore.suggest import did_you_mean
+
     rows = []
     for name, config in configs:
+        known = sorted(e.name for e in get_registry(tuple(config.plugins)).entries() if e.kind == "router")
+        replaced = config.router.name
+        if "router" in config.model_fields_set:
+            print(
+                f"cb: note: --router replaces the config's router {replaced!r} in row {name!r}", file=sys.stderr
+            )
         for router in routers:
+            if router not in known:
+                raise CLIError(f"--router {router}: unknown router{did_you_mean(router, known)}; known: {', '.join(known)}")
             try:
                 cfg = EngineConfig.model_validate({**config.model_dump(exclude_unset=True), "router": {"name": router}})
             except (ValueError, ConfigError, PluginError) as exc:
-                raise CLIError(f"--router {router}: {exc}") from None
+                raise CLIError(f"--router {router}: {one_line(exc)}") from None
             rows.append((f"{name} {router}" if len(configs) > 1 else router, cfg))
     return rows
 

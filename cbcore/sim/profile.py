@@ -22,6 +22,10 @@ from cbcore.sim.roofline import RooflineCost
 from cbcore.sim.shape import StepShape
 
 BUILTIN_DIR = Path(__file__).parent / "profiles"
+# Held-out step-time error (mean relative) above which a measured profile is refused. A quiet
+# machine fits its held-out steps within 2-13 % (docs/simulate.md); one busy with other work
+# times the same steps 40-150 % apart, and a simulation priced by that fit was 90 % off.
+MAX_HOLDOUT_ERROR = 0.25
 
 
 class ProfileError(ValueError):
@@ -88,6 +92,27 @@ class Profile(BaseModel):
             data["fit_mean_abs_error"] = self.cost.fit.mean_abs
             data["fit_holdout_mean_abs_error"] = self.cost.fit.holdout_mean_abs
         return data
+
+    def fit_error(self) -> float | None:
+        """The held-out step-time error of a measured profile (the in-fit error if none was held out)."""
+        if not isinstance(self.cost, FittedCost):
+            return None
+        fit = self.cost.fit
+        return fit.holdout_mean_abs if fit.holdout_mean_abs is not None else fit.mean_abs
+
+    def unreliable(self, name: str, retry: str) -> str | None:
+        """Why this profile should not price a simulation (its fit is too poor), or None when it may.
+
+        ``retry`` ends the message: what the caller's user can do instead (rerun, or ``--force``).
+        """
+        error = self.fit_error()
+        if error is None or error <= MAX_HOLDOUT_ERROR:
+            return None
+        return (
+            f"{name}: its held-out step-time error is {100 * error:.1f} %, above the "
+            f"{100 * MAX_HOLDOUT_ERROR:.0f} % a simulation can be priced with: the machine was probably busy "
+            f"while the steps were timed (other processes competing for its cores); {retry}"
+        )
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.model_dump_json(indent=2) + "\n")

@@ -1,0 +1,188 @@
+"""Load sweeps: one workload key over several values, every configuration at every value.
+
+``--sweep rate=2,3,4,5`` turns one generator spec into one spec per value (the
+key replaced, or added when the spec did not name it); each point runs every
+configuration as an ordinary benchmark or simulation, and the rows of all
+points make one :class:`~cbcore.bench.suite.BenchResult`. Each row records its
+configuration, the swept key and value, and whether its throughput still
+followed the load offered to it: a policy's finding is usually where that
+stops (past capacity), and what each policy does to its deadlines there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from cbcore.bench.generator import GENERATORS, GeneratorSpec, parse_spec
+from cbcore.bench.suite import BenchResult
+from cbcore.bench.workload import Workload, WorkloadError
+from cbcore.config import format_validation_error
+
+# Achieved over offered request rate below which a row no longer follows the load (it is saturated).
+# A run's duration includes draining the last requests, so an unsaturated row stays a little under 1.
+FOLLOWS_LOAD_RATIO = 0.9
+
+
+class Sweep(BaseModel):
+    """``KEY=V1,V2,...``: a generator key and the values it takes, in order."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    key: str = Field(min_length=1)
+    values: tuple[str, ...] = Field(min_length=1)
+
+    @field_validator("key")
+    @classmethod
+    def _known_key(cls, key: str) -> str:
+        from cbcore.suggest import did_you_mean
+
+        known = sorted(GeneratorSpec.model_fields)
+        if key not in known:
+            raise ValueError(f"unknown workload key {key!r}{did_you_mean(key, known)}; known: {', '.join(known)}")
+        return key
+
+    @field_validator("values")
+    @classmethod
+    def _distinct(cls, values: tuple[str, ...]) -> tuple[str, ...]:
+        if any(not v for v in values):
+            raise ValueError("empty value in the list")
+        if len(set(values)) != len(values):
+            raise ValueError(f"a value appears twice: {', '.join(values)}")
+        return values
+
+    @classmethod
+    def parse(cls, text: str) -> Sweep:
+        key, sep, values = text.partition("=")
+        if not sep:
+            raise WorkloadError(f"--sweep {text!r}: expected KEY=V1,V2,... (e.g. rate=2,3,4,5)")
+        try:
+            return cls(key=key.strip(), values=tuple(v.strip() for v in values.split(",")))
+        except ValidationError as exc:
+            raise WorkloadError(f"--sweep {text!r}: {format_validation_error(exc)}") from None
+
+    def points(self, spec: str) -> list[str]:
+        """The workload spec at every value; each is validated now, before anything runs."""
+        if spec.split(":", 1)[0] not in GENERATORS:
+            raise WorkloadError(
+                f"--sweep needs a generator workload ({', '.join(f'{g}:...' for g in GENERATORS)}), got {spec!r}: "
+                "a trace or 'seed' has no keys to vary"
+            )
+        points = [with_key(spec, self.key, value) for value in self.values]
+        for point in points:
+            parse_spec(point)
+        return points
+
+
+def with_key(spec: str, key: str, value: str) -> str:
+    """``spec`` with ``key=value`` in place of its own value of ``key`` (appended when absent)."""
+    kind, _, body = spec.partition(":")
+    items = [p.strip() for p in body.split(",") if p.strip()]
+    replaced = [f"{key}={value}" if p.partition("=")[0].strip() == key else p for p in items]
+    if replaced == items:
+        replaced.append(f"{key}={value}")
+    return f"{kind}:{','.join(replaced)}"
+
+
+def sweep_value(text: str) -> float | str:
+    """A number when the value reads as one (the plots' x axis), else the text."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def offered_rate(workload: Workload) -> float | None:
+    """Requests per second the workload sends (None when all arrive at once)."""
+    span = workload.span_s
+    return len(workload) / span if span > 0 else None
+
+
+@dataclass(frozen=True)
+class Point:
+    """One value of the sweep: its spec and the workload drawn from it."""
+
+    value: str
+    spec: str
+    workload: Workload
+
+
+def draw_points(sweep: Sweep, spec: str, vocab_size: int, special_ids: Seq[int] = ()) -> list[Point]:
+    """Every value's workload, drawn as ``--workload`` would draw it (same seed: same prompts)."""
+    from cbcore.bench.sources import load_workload
+
+    return [
+        Point(value, point, load_workload(point, vocab_size, special_ids))
+        for value, point in zip(sweep.values, sweep.points(spec), strict=True)
+    ]
+
+
+def annotate(row: dict[str, Any], sweep: Sweep, point: Point) -> dict[str, Any]:
+    """A row of one point, renamed ``NAME KEY=VALUE`` and carrying what the sweep plots read."""
+    new = {
+        **row,
+        "name": f"{row['name']} {sweep.key}={point.value}",
+        "config": row["name"],
+        "sweep_key": sweep.key,
+        "sweep_value": sweep_value(point.value),
+        "workload": point.spec,
+    }
+    if "error" in row:
+        return new
+    offered = offered_rate(point.workload)
+    achieved = row.get("request_throughput")
+    new["offered_request_rate"] = offered
+    new["follows_load"] = None if offered is None or achieved is None else achieved >= FOLLOWS_LOAD_RATIO * offered
+    return new
+
+
+def run_sweep(
+    sweep: Sweep,
+    points: Seq[Point],
+    run_point: Callable[[Point], BenchResult],
+) -> BenchResult:
+    """Every point through ``run_point``, one after the other; the rows of all points in one result."""
+    return merge(sweep, points, [run_point(p) for p in points])
+
+
+def merge(sweep: Sweep, points: Seq[Point], results: Seq[BenchResult]) -> BenchResult:
+    """One result: per point (in sweep order) its rows, annotated; samples under the rows' new names."""
+    rows: list[dict[str, Any]] = []
+    samples: dict[str, dict[str, list[float]]] = {}
+    for point, result in zip(points, results, strict=True):
+        for row in result.rows:
+            new = annotate(row, sweep, point)
+            rows.append(new)
+            if row["name"] in result.samples:
+                samples[new["name"]] = result.samples[row["name"]]
+    first = results[0].workload
+    workload = {
+        **first,
+        "name": f"{points[0].spec.split(':', 1)[0]}:... {sweep.key}={','.join(sweep.values)}",
+        "num_requests": max(len(p.workload) for p in points),
+        "arrival_span_s": max(p.workload.span_s for p in points),
+        "sweep": {"key": sweep.key, "values": [sweep_value(v) for v in sweep.values],
+                  "specs": [p.spec for p in points], "follows_load_ratio": FOLLOWS_LOAD_RATIO},
+    }  # fmt: skip
+    return BenchResult(workload=workload, rows=rows, samples=samples)
+
+
+def saturation_value(rows: Seq[dict[str, Any]]) -> float | str | None:
+    """The first swept value at which these rows (one configuration, sweep order) stop following the load."""
+    for row in rows:
+        if row.get("follows_load") is False:
+            return row["sweep_value"]
+    return None
+
+
+def by_config(rows: Seq[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Rows grouped per configuration, each in sweep order (failed points left out)."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        if "error" not in row:
+            groups.setdefault(row["config"], []).append(row)
+    return groups

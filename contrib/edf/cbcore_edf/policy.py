@@ -1,0 +1,110 @@
+"""Earliest deadline first, with a fallback class and optional demotion of requests that cannot make it.
+
+EDF serves the request whose deadline (arrival + ``deadline_s``) comes first.
+Below capacity that meets every deadline any order could meet. Past capacity
+it collapses: the queue grows, every request's deadline is near or gone, and
+EDF spends the machine on the requests that are already late (they have the
+earliest deadlines), so nearly all of them miss. Demotion repairs that: a
+request that can no longer make its deadline moves to the fallback class,
+behind every request that still can, and the machine goes to those.
+
+Requests without a deadline form the fallback class, served after every
+request with a deadline, in arrival order; or, with ``fallback_deadline_s``,
+they compete as if their deadline were that many seconds after arrival.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from cbcore import QueuePolicy, SequenceView
+
+# Class 0 is served first: requests whose deadline may still be met; class 1 is the fallback.
+ON_TIME, FALLBACK = 0, 1
+
+
+class EDFParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    fallback_deadline_s: float | None = Field(
+        None,
+        gt=0,
+        allow_inf_nan=False,
+        description="Requests without a deadline compete as if it were this many seconds after arrival; "
+        "None: they are served after every request with a deadline, in arrival order.",
+    )
+    demote: bool = Field(
+        False,
+        description="Move a request that can no longer make its deadline to the fallback class, "
+        "behind every request that still can (once demoted, it stays demoted).",
+    )
+    demote_tpot_s: float = Field(
+        0.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="With demote: the least time each remaining output token takes (max_new_tokens minus "
+        "those generated); a request is demoted once now plus that time passes its deadline. "
+        "0: only once its deadline has passed.",
+    )
+    preempt_running: bool = Field(
+        False,
+        description="A waiting request that finds no free slot or KV blocks may evict running requests "
+        "it strictly outranks (a later deadline, or the fallback class).",
+    )
+
+
+class EarliestDeadlineFirst(QueuePolicy):
+    """Earliest deadline first; ties by arrival time."""
+
+    name = "edf"
+    Params = EDFParams
+
+    def __init__(self, params: EDFParams | None = None) -> None:
+        super().__init__(params)
+        self.preempts_running = self.params.preempt_running
+        # Without demotion a key never changes once the request has arrived.
+        self.fixed_keys = not self.params.demote
+        self.demoted: set[str] = set()
+
+    def on_finish(self, seq: SequenceView, now: float) -> None:
+        self.demoted.discard(seq.request_id)
+
+    def hopeless(self, seq: SequenceView, now: float) -> bool:
+        """Whether ``seq`` can no longer finish by its deadline (checked only with ``demote``)."""
+        if seq.request_id in self.demoted:
+            return True
+        deadline = seq.deadline
+        if deadline is None:
+            return False
+        remaining = max(seq.params.max_new_tokens - seq.num_output_tokens, 0)
+        if now + self.params.demote_tpot_s * remaining > deadline:
+            self.demoted.add(seq.request_id)
+            return True
+        return False
+
+    def rank(self, seq: SequenceView, now: float) -> tuple[int, float]:
+        """(class, time by which it should be done): the first part of the sort key."""
+        deadline = seq.deadline
+        if deadline is None and self.params.fallback_deadline_s is not None:
+            deadline = seq.arrival_time + self.params.fallback_deadline_s
+        if deadline is None or (self.params.demote and self.hopeless(seq, now)):
+            return (FALLBACK, seq.arrival_time)
+        return (ON_TIME, deadline)
+
+    def key(self, seq: SequenceView, now: float) -> tuple[int, float, float, str]:
+        return (*self.rank(seq, now), seq.arrival_time, seq.request_id)
+
+    def outranks(self, a: SequenceView, b: SequenceView, now: float) -> bool:
+        # Equal ranks never evict each other (that would thrash on arrival order).
+        return self.rank(a, now) < self.rank(b, now)
+
+
+class EDFDemoteParams(EDFParams):
+    demote: bool = Field(True, description=EDFParams.model_fields["demote"].description)
+
+
+class EDFDemote(EarliestDeadlineFirst):
+    """``edf`` with ``demote: true`` by default, so that a ``--policy`` mix can name it."""
+
+    name = "edf-demote"
+    Params = EDFDemoteParams
