@@ -37,12 +37,21 @@ def _label(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value, default=list)
 
 
-def met_deadline(req: BenchRequest, out: RequestOutput) -> bool | None:
-    """None when the request has no deadline."""
-    if req.deadline_s is None:
+def deadline_met(deadline_s: float | None, out: RequestOutput) -> bool | None:
+    """Whether a request met its deadline: it completed with end-to-end latency <= ``deadline_s``.
+
+    None when it has no deadline. A request that failed or was aborted missed it. The benchmark,
+    the simulator and the server's ``/metrics`` all count with this one definition.
+    """
+    if deadline_s is None:
         return None
     e2e = out.metrics.e2e if out.metrics is not None else None
-    return completed(out) and e2e is not None and e2e <= req.deadline_s
+    return completed(out) and e2e is not None and e2e <= deadline_s
+
+
+def met_deadline(req: BenchRequest, out: RequestOutput) -> bool | None:
+    """None when the request has no deadline."""
+    return deadline_met(req.deadline_s, out)
 
 
 def class_stats(requests: Seq[BenchRequest], outputs: Seq[RequestOutput], slo: SLO | None) -> dict[str, Any]:

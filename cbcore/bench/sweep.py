@@ -160,9 +160,11 @@ def merge(sweep: Sweep, points: Seq[Point], results: Seq[BenchResult]) -> BenchR
             if row["name"] in result.samples:
                 samples[new["name"]] = result.samples[row["name"]]
     first = results[0].workload
+    kind, _, body = points[0].spec.partition(":")
+    rest = [p for p in body.split(",") if p.partition("=")[0].strip() != sweep.key]
     workload = {
         **first,
-        "name": f"{points[0].spec.split(':', 1)[0]}:... {sweep.key}={','.join(sweep.values)}",
+        "name": f"{kind}:{','.join(rest)} at {sweep.key}={'/'.join(sweep.values)}",
         "num_requests": max(len(p.workload) for p in points),
         "arrival_span_s": max(p.workload.span_s for p in points),
         "sweep": {"key": sweep.key, "values": [sweep_value(v) for v in sweep.values],

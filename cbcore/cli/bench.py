@@ -183,7 +183,7 @@ def build_configs(args: argparse.Namespace) -> list[tuple[str, Any]]:
                 parts = [Path(path).stem if path else None, mix, backend]
                 name = "/".join(p for p in parts if p) or "default"
                 rows.append((name, engine_config(ns, extra)))
-    if len(args.configs) > 1 and args.policies or args.configs and len(args.policies) > 1:
+    if (len(args.configs) > 1 and args.policies) or (args.configs and len(args.policies) > 1):
         print(
             f"cb: note: {len(args.configs)} --config x {len(args.policies)} --policy = {len(rows)} rows "
             "(each --policy replaces the scheduler section of each config)",

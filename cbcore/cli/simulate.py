@@ -154,9 +154,7 @@ def with_routers(configs: list[tuple[str, Any]], routers: list[str]) -> list[tup
     """Each row once per router, named ``row router``."""
     from cbcore.cli.main import one_line
     from cbcore.config import ConfigError, EngineConfig
-    from cbcore.plugins import PluginError
-
-    from cbcore.plugins import get_registry
+    from cbcore.plugins import PluginError, get_registry
     from cbcore.suggest import did_you_mean
 
     rows = []

@@ -5,6 +5,17 @@ mix, e.g. ``fcfs+token-budget+chunked-prefill+recompute``), so two servers
 running two policies can be put side by side on one dashboard. Gauges come
 from :meth:`Engine.load` after every step; latencies are observed when a
 request finishes, from the engine's own timestamps.
+
+Per class of request (``priority`` and ``client`` labels): TTFT and e2e
+histograms, and deadline counts (finished requests that had a ``deadline_s``,
+and those that met it: completed with e2e <= ``deadline_s``), with
+``deadline_attainment`` their ratio since the server started (a request its
+client aborted, or that failed before it was scheduled, is not counted;
+one that failed in a step missed). Client ids come
+from requests, so their labels are bounded: the first ``max_clients`` distinct
+ids (default 16) keep their own label and every later one is counted as
+``other``; likewise the first ``max_priorities`` priority values (default 8).
+A series never changes its label, so a dashboard's lines stay continuous.
 """
 
 from __future__ import annotations
@@ -19,6 +30,7 @@ from prometheus_client import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from cbcore.bench.classes import deadline_met
 from cbcore.config import EngineConfig
 from cbcore.engine import StepRecord
 from cbcore.outputs import EngineLoad, RequestOutput
@@ -50,6 +62,27 @@ E2E_BUCKETS = (
 )
 TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+MAX_CLIENT_LABELS = 16
+MAX_PRIORITY_LABELS = 8
+OTHER = "other"
+
+
+class BoundedLabel:
+    """The first ``limit`` distinct values keep their own label; every later one is ``other``."""
+
+    def __init__(self, limit: int) -> None:
+        if limit < 0:
+            raise ValueError(f"a label limit must be >= 0, got {limit}")
+        self.limit = limit
+        self.kept: set[str] = set()
+
+    def __call__(self, value: str) -> str:
+        if value in self.kept:
+            return value
+        if len(self.kept) < self.limit and value != OTHER:
+            self.kept.add(value)
+            return value
+        return OTHER
 
 
 def policy_label(config: EngineConfig) -> str:
@@ -61,7 +94,13 @@ def policy_label(config: EngineConfig) -> str:
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, policy: str) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        policy: str,
+        max_clients: int = MAX_CLIENT_LABELS,
+        max_priorities: int = MAX_PRIORITY_LABELS,
+    ) -> None:
         disable_created_metrics()  # no `_created` twin of every series, as vLLM does
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)  # process_resident_memory_bytes and friends
@@ -106,6 +145,33 @@ class ServerMetrics:
             "iteration_tokens_total", "Tokens computed per step.", TOKEN_BUCKETS
         )
         self._last = EngineLoad(0, 0, 0, 0, 0, 0)
+        self.client_label = BoundedLabel(max_clients)
+        self.priority_label = BoundedLabel(max_priorities)
+        cls = [*names, "priority", "client"]
+        self.class_ttft = Histogram(
+            PREFIX + "class_time_to_first_token_seconds", "Arrival to first token, per class.", cls,
+            buckets=LATENCY_BUCKETS, registry=reg,
+        )  # fmt: skip
+        self.class_e2e = Histogram(
+            PREFIX + "class_e2e_request_latency_seconds", "Arrival to finish, per class.", cls,
+            buckets=E2E_BUCKETS, registry=reg,
+        )  # fmt: skip
+        self.deadline_total = Counter(
+            PREFIX + "request_deadline", "Finished requests that had a deadline_s.", cls, registry=reg
+        )
+        self.deadline_met = Counter(
+            PREFIX + "request_deadline_met",
+            "Finished requests that completed within their deadline_s (e2e <= deadline_s).",
+            cls,
+            registry=reg,
+        )
+        self.attainment = Gauge(
+            PREFIX + "deadline_attainment",
+            "Share of finished requests with a deadline that met it, since the server started.",
+            cls,
+            registry=reg,
+        )
+        self._deadline_counts: dict[tuple[str, str], list[int]] = {}  # class -> [met, total]
 
     def finished(self, reason: str) -> None:
         self._success.labels(**self._labels, finished_reason=reason).inc()
@@ -125,9 +191,40 @@ class ServerMetrics:
         self._last = load
 
     def on_step(self, record: StepRecord) -> None:
-        """A step listener (engine thread)."""
+        """A step listener (engine thread): step sizes, and the per-class series of what finished.
+
+        A request finishes in a step that scheduled it (or failed it), so the step's plan holds
+        the sequence and with it the request's priority, client and deadline.
+        """
         if record.stats.num_tokens:
             self.iteration_tokens.observe(record.stats.num_tokens)
+        finished = [o for o in record.outputs if o.finished]
+        if not finished:
+            return
+        seqs = {s.seq.request_id: s.seq for s in record.output.scheduled}
+        seqs.update((seq.request_id, seq) for seq in record.output.failed)
+        for out in finished:
+            seq = seqs.get(out.request_id)
+            if seq is not None:
+                self.observe_class(out, str(seq.priority), seq.client_id, seq.deadline_s)
+
+    def observe_class(self, out: RequestOutput, priority: str, client: str, deadline_s: float | None) -> None:
+        """One finished request's latencies and deadline under its (bounded) class labels."""
+        labels = {**self._labels, "priority": self.priority_label(priority), "client": self.client_label(client)}
+        m = out.metrics
+        if m is not None and m.ttft is not None:
+            self.class_ttft.labels(**labels).observe(m.ttft)
+        if m is not None and m.e2e is not None:
+            self.class_e2e.labels(**labels).observe(m.e2e)
+        met = deadline_met(deadline_s, out)
+        if met is None:
+            return
+        counts = self._deadline_counts.setdefault((labels["priority"], labels["client"]), [0, 0])
+        counts[0] += met
+        counts[1] += 1
+        self.deadline_total.labels(**labels).inc()
+        self.deadline_met.labels(**labels).inc(int(met))  # the series exists (at 0) from the first miss on
+        self.attainment.labels(**labels).set(counts[0] / counts[1])
 
     def observe(self, outputs: list[RequestOutput], load: EngineLoad) -> None:
         """After every step (engine thread): load, token counts, latencies of what finished."""

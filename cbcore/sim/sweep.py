@@ -62,7 +62,7 @@ def simulate_sweep(
         }
         parts = {key: f.result() for key, f in futures.items()}
     results = []
-    for i, point in enumerate(points):
+    for i in range(len(points)):
         per_config = [parts[(i, j)] for j in range(len(configs))]
         results.append(
             BenchResult(

@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from cbcore_edf.policy import EarliestDeadlineFirst, EDFDemote, EDFParams, EDFDemoteParams
+from cbcore_edf.policy import EarliestDeadlineFirst, EDFDemote, EDFDemoteParams, EDFParams
 
 __all__ = ["EDFDemote", "EDFDemoteParams", "EDFParams", "EarliestDeadlineFirst"]
