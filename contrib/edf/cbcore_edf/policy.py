@@ -3,10 +3,14 @@
 EDF serves the request whose deadline (arrival + ``deadline_s``) comes first.
 Below capacity that meets every deadline any order could meet. Past capacity
 it collapses: the queue grows, every request's deadline is near or gone, and
-EDF spends the machine on the requests that are already late (they have the
-earliest deadlines), so nearly all of them miss. Demotion repairs that: a
-request that can no longer make its deadline moves to the fallback class,
-behind every request that still can, and the machine goes to those.
+EDF spends the machine on the requests that are already late, or will be by
+the time they finish (they have the earliest deadlines), so nearly all of them
+miss. Demotion repairs that: a request that can no longer make its deadline
+(now + its remaining tokens x the time a token takes passes the deadline)
+moves to the fallback class, behind every request that still can, and the
+machine goes to those. The time a token takes is measured from the engine's
+own steps unless ``demote_tpot_s`` sets it; ``max_new_tokens`` bounds the
+remaining tokens, so a request that stops early at EOS may be demoted early.
 
 Requests without a deadline form the fallback class, served after every
 request with a deadline, in arrival order; or, with ``fallback_deadline_s``,
@@ -15,9 +19,15 @@ they compete as if their deadline were that many seconds after arrival.
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
+from collections.abc import Sequence as Seq
+
 from pydantic import BaseModel, ConfigDict, Field
 
-from cbcore import QueuePolicy, SequenceView
+from cbcore import QueuePolicy, SequenceView, StepResult
+
+STEPS_MEASURED = 32
 
 # Class 0 is served first: requests whose deadline may still be met; class 1 is the fallback.
 ON_TIME, FALLBACK = 0, 1
@@ -38,13 +48,13 @@ class EDFParams(BaseModel):
         description="Move a request that can no longer make its deadline to the fallback class, "
         "behind every request that still can (once demoted, it stays demoted).",
     )
-    demote_tpot_s: float = Field(
-        0.0,
+    demote_tpot_s: float | None = Field(
+        None,
         ge=0,
         allow_inf_nan=False,
-        description="With demote: the least time each remaining output token takes (max_new_tokens minus "
-        "those generated); a request is demoted once now plus that time passes its deadline. "
-        "0: only once its deadline has passed.",
+        description="With demote: the time each remaining output token takes (max_new_tokens minus those "
+        "generated); a request is demoted once now plus that time passes its deadline. None: the median "
+        "interval between the engine's last steps, measured as it runs; 0: only once the deadline has passed.",
     )
     preempt_running: bool = Field(
         False,
@@ -65,9 +75,24 @@ class EarliestDeadlineFirst(QueuePolicy):
         # Without demotion a key never changes once the request has arrived.
         self.fixed_keys = not self.params.demote
         self.demoted: set[str] = set()
+        # Intervals between the last steps: a running request gains one token per step, so their
+        # median is the time a remaining token takes (the median ignores the gap after an idle spell).
+        self.step_intervals: deque[float] = deque(maxlen=STEPS_MEASURED)
+        self._last_step: float | None = None
+
+    def on_step_end(self, results: Seq[StepResult], now: float) -> None:
+        if self._last_step is not None and now > self._last_step:
+            self.step_intervals.append(now - self._last_step)
+        self._last_step = now
 
     def on_finish(self, seq: SequenceView, now: float) -> None:
         self.demoted.discard(seq.request_id)
+
+    def token_time(self) -> float:
+        """Seconds a remaining output token is expected to take: the parameter, or the measured steps."""
+        if self.params.demote_tpot_s is not None:
+            return self.params.demote_tpot_s
+        return statistics.median(self.step_intervals) if self.step_intervals else 0.0
 
     def hopeless(self, seq: SequenceView, now: float) -> bool:
         """Whether ``seq`` can no longer finish by its deadline (checked only with ``demote``)."""
@@ -77,7 +102,7 @@ class EarliestDeadlineFirst(QueuePolicy):
         if deadline is None:
             return False
         remaining = max(seq.params.max_new_tokens - seq.num_output_tokens, 0)
-        if now + self.params.demote_tpot_s * remaining > deadline:
+        if now + self.token_time() * remaining > deadline:
             self.demoted.add(seq.request_id)
             return True
         return False
@@ -95,8 +120,14 @@ class EarliestDeadlineFirst(QueuePolicy):
         return (*self.rank(seq, now), seq.arrival_time, seq.request_id)
 
     def outranks(self, a: SequenceView, b: SequenceView, now: float) -> bool:
-        # Equal ranks never evict each other (that would thrash on arrival order).
-        return self.rank(a, now) < self.rank(b, now)
+        """On-time requests outrank the fallback class, and each other by deadline.
+
+        Within the fallback class nobody outranks anybody: evicting by arrival order would only thrash.
+        """
+        (class_a, due_a), (class_b, due_b) = self.rank(a, now), self.rank(b, now)
+        if class_a != class_b:
+            return class_a < class_b
+        return class_a == ON_TIME and due_a < due_b
 
 
 class EDFDemoteParams(EDFParams):
