@@ -25,7 +25,7 @@ from cbcore.config import format_validation_error
 
 # Achieved over offered request rate below which a row no longer follows the load (it is saturated).
 # A run's duration includes draining the last requests, so an unsaturated row stays a little under 1.
-FOLLOWS_LOAD_RATIO = 0.9
+FOLLOWS_LOAD_RATIO = 0.95
 
 
 class Sweep(BaseModel):
