@@ -39,7 +39,7 @@ class Sweep(BaseModel):
     @field_validator("key")
     @classmethod
     def _known_key(cls, key: str) -> str:
-        from cbcore.suggest import did_you_mean
+        from cbcore.plugins import did_you_mean
 
         known = sorted(GeneratorSpec.model_fields)
         if key not in known:

@@ -154,8 +154,7 @@ def with_routers(configs: list[tuple[str, Any]], routers: list[str]) -> list[tup
     """Each row once per router, named ``row router``."""
     from cbcore.cli.main import one_line
     from cbcore.config import ConfigError, EngineConfig
-    from cbcore.plugins import PluginError, get_registry
-    from cbcore.suggest import did_you_mean
+    from cbcore.plugins import PluginError, did_you_mean, get_registry
 
     rows = []
     for name, config in configs:
