@@ -36,3 +36,15 @@ def test_router_names_are_checked_with_a_suggestion_and_a_replaced_router_is_sai
     assert "--router replaces the config's router 'round-robin'" in capsys.readouterr().err
     assert simulate("--replicas", "2", "--router", "least-loaded") == 0  # the default router: nothing to say
     assert "replaces" not in capsys.readouterr().err
+
+
+def test_each_command_titles_its_own_figure(tmp_path: Path, monkeypatch) -> None:
+    from matplotlib.figure import Figure
+
+    titles: list[str] = []
+    original = Figure.suptitle
+    monkeypatch.setattr(Figure, "suptitle", lambda self, t, **kw: titles.append(t) or original(self, t, **kw))
+    assert simulate("--policy", "fcfs", "--plot", str(tmp_path / "one.png")) == 0
+    assert simulate("--policy", "fcfs", "--sweep", "n=3,6", "--plot", str(tmp_path / "sweep.png")) == 0
+    assert [t.split(":")[0] for t in titles] == ["cb simulate", "cb simulate"]
+    assert "at n=3/6" in titles[1]

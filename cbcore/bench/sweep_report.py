@@ -59,7 +59,7 @@ def plot_sweep(result: BenchResult, path: str | Path, command: str) -> None:
     offered = [(x, y) for x, y in offered if y is not None]
     if offered:
         flat[4].plot(*zip(*offered, strict=True), color="black", ls="--", lw=1, label="offered")
-        flat[4].legend(fontsize=8)
+    flat[4].legend(fontsize=8)  # every configuration has a throughput line
     for name, rows in groups.items():
         knee = saturation_value(rows)
         if knee is not None:
@@ -70,7 +70,8 @@ def plot_sweep(result: BenchResult, path: str | Path, command: str) -> None:
         ax.grid(alpha=0.3)
         if not numeric:
             ax.set_xticks(range(len(values)), [str(v) for v in values])
-    flat[0].legend(fontsize=8)
+    if flat[0].get_legend_handles_labels()[0]:  # no line without deadlines (the panel says so)
+        flat[0].legend(fontsize=8)
     knees = ", ".join(
         f"{name}: {key}={_fmt(k)}" for name, rows in groups.items() if (k := saturation_value(rows)) is not None
     )
