@@ -68,22 +68,7 @@ class Steps:
             raise named from exc
 
     def named(self, exc: BaseException) -> BaseException:
-        """``exc`` as a :class:`SchedulerError` naming the plugin frame it came from (else unchanged)."""
-        if isinstance(exc, SchedulerError):
-            return exc
-        found = blame(exc, self.names)
-        if found is None:
-            return exc
-        plugin, method, request_id = found
-        about = f" for request {request_id!r}" if request_id else ""
-        err = SchedulerError(
-            f"{plugin} raised in {method}(){about}: {type(exc).__name__}: {exc}; the engine is as before the step",
-            plugin=plugin,
-            rule=f"{method}() raised",
-            request_id=request_id,
-        )
-        err.__cause__ = exc
-        return err
+        return named(exc, self.names, after="; the engine is as before the step")
 
     def observe(self, out: SchedulerOutput, computed: int, sampled: int, waiting: str = "") -> None:
         """The progress guarantee, for one checked plan (``waiting`` says what waits, for the message)."""
@@ -292,6 +277,30 @@ def _fail(culprit: str, rule: str, detail: str, seq: Sequence | None = None) -> 
         rule=rule,
         request_id=getattr(seq, "request_id", None),
     )
+
+
+def named(exc: BaseException, names: Mapping[int, str], request_id: str | None = None, after: str = "") -> BaseException:
+    """``exc`` as a :class:`SchedulerError` naming the plugin frame it came from (else unchanged).
+
+    ``names`` maps ``id(plugin)`` to its description; ``request_id`` is the
+    request to name when the traceback shows none.
+    """
+    if isinstance(exc, SchedulerError):
+        return exc
+    found = blame(exc, names)
+    if found is None:
+        return exc
+    plugin, method, blamed = found
+    rid = blamed or request_id
+    about = f" for request {rid!r}" if rid else ""
+    err = SchedulerError(
+        f"{plugin} raised in {method}(){about}: {type(exc).__name__}: {exc}{after}",
+        plugin=plugin,
+        rule=f"{method}() raised",
+        request_id=rid,
+    )
+    err.__cause__ = exc
+    return err
 
 
 def blame(exc: BaseException, names: Mapping[int, str]) -> tuple[str, str, str | None] | None:
