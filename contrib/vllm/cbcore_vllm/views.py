@@ -10,6 +10,7 @@ cbcore's own rules when the request arrives.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -40,10 +41,23 @@ def policy_fields(params: VllmSamplingParams | None) -> tuple[str, float | None,
     try:
         client_id = check_client_id(extra["client_id"]) if "client_id" in extra else "default"
         deadline_s = check_deadline(extra.get("deadline_s"))
-        attrs = freeze_attrs(extra["attrs"]) if "attrs" in extra else EMPTY_ATTRS
+        attrs = freeze_attrs(_attrs_object(extra["attrs"])) if "attrs" in extra else EMPTY_ATTRS
     except FieldError as exc:
         raise RequestFieldError(f"vllm_xargs: {exc}") from None
     return client_id, deadline_s, attrs
+
+
+def _attrs_object(value: Any) -> Any:
+    """``attrs`` as sent: an object, or (over HTTP, where vllm_xargs values are scalars) its JSON text."""
+    if not isinstance(value, str):
+        return value
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise FieldError(f"attrs must be a JSON object (or its JSON text), got unparsable text: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise FieldError(f"attrs must be a JSON object, got {type(parsed).__name__}")
+    return parsed
 
 
 def cbcore_params(params: VllmSamplingParams | None) -> SamplingParams:

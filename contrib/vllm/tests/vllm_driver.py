@@ -112,7 +112,8 @@ def run(scn: dict[str, Any]) -> dict[str, Any]:
 
 
 def main() -> int:
-    spec = json.loads(open(sys.argv[1]).read())
+    with open(sys.argv[1]) as f:
+        spec = json.load(f)
     results = [run(s) for s in spec["scenarios"]]
     with open(sys.argv[2], "w") as f:
         json.dump({"results": results}, f, indent=1)
