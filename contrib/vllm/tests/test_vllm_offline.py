@@ -26,6 +26,8 @@ EQUIVALENCE: dict[str, dict[str, Any]] = {
     "vtc": {"queue": {"name": "vtc"}},
     "sjf": {"queue": {"name": "sjf", "aging_s": 0.5}},
     "edf": {"queue": {"name": "edf"}},
+    # static's waves reach vLLM through may_admit (the queue hides the requests it refuses)
+    "fcfs-static": {"queue": {"name": "fcfs"}, "budget": {"name": "static", "max_num_seqs": 2, "max_num_batched_tokens": 64}},
 }
 LIMITS = {"name": "token-budget", "max_num_seqs": 2, "max_num_batched_tokens": 64}
 
@@ -49,6 +51,14 @@ def admission_requests() -> list[dict[str, Any]]:
         {"id": "B", "prompt": [1, 11, 12, 13, 14], "max_tokens": 2, "arrive": 1},
         {"id": "C", "prompt": [1, 21, 22, 23, 24, 25, 26, 27], "max_tokens": 2, "arrive": 1},
     ]
+
+
+def refused_requests() -> list[dict[str, Any]]:
+    # A's deadline and B's attrs are what cbcore's add_request refuses; X and C must be served regardless.
+    reqs = admission_requests()
+    reqs[1]["xargs"] = {"deadline_s": -1}
+    reqs[2]["xargs"] = {"attrs": "{not json"}
+    return reqs
 
 
 def preemption_requests() -> list[dict[str, Any]]:
@@ -88,6 +98,23 @@ def scenarios(model: Path, log_dir: Path) -> list[dict[str, Any]]:
             "requests": admission_requests(),
         },
         {
+            "name": "refusals",
+            "model": str(model),
+            "engine": engine(1, 64),
+            "cbcore": {"scheduler": {"budget": {"name": "token-budget", "max_num_seqs": 1, "max_num_batched_tokens": 64}}},
+            "requests": refused_requests(),
+        },
+        {
+            "name": "raising-key",
+            "model": str(model),
+            "engine": engine(1, 64),
+            "cbcore": {"plugins": [PLUGIN], "scheduler": {"queue": {"name": "raise-on-five"}}},
+            "requests": [
+                {"id": "X", "prompt": [1, 7, 7, 7], "max_tokens": 3, "arrive": 0},
+                {"id": "A", "prompt": [1, 8, 9, 10, 11], "max_tokens": 2, "arrive": 1},
+            ],
+        },
+        {
             "name": "swap-refused",
             "model": str(model),
             "engine": engine(1, 64),
@@ -101,7 +128,7 @@ def scenarios(model: Path, log_dir: Path) -> list[dict[str, Any]]:
                 "name": name,
                 "model": str(model),
                 "engine": engine(2, 64),
-                "cbcore": {"plugins": [PLUGIN], "scheduler": {**sched, "budget": LIMITS}, "clock": clock},
+                "cbcore": {"plugins": [PLUGIN], "scheduler": {"budget": LIMITS, **sched}, "clock": clock},
                 "requests": trace(),
             }
         )
@@ -167,7 +194,7 @@ def test_first_scheduled_order_matches_cbcore(runs: Any, tiny_dir: Path, policy:
     assert r["error"] is None
     config = {
         "plugins": [PLUGIN],
-        "scheduler": {**EQUIVALENCE[policy], "budget": LIMITS},
+        "scheduler": {"budget": LIMITS, **EQUIVALENCE[policy]},
         "kv_cache": {"block_size": BLOCK, "num_blocks": ROOMY["num_gpu_blocks_override"] - 1},
     }
     ref = run_cbcore(tiny_dir, config, trace())
@@ -195,3 +222,21 @@ def test_swap_preemption_is_refused_at_start(runs: Any) -> None:
     results, _ = runs
     err = results["swap-refused"]["error"]
     assert err is not None and "preemption policy 'swap' (built-in)" in err and "recompute only" in err
+
+
+def test_bad_request_fields_refuse_that_request_alone(runs: Any) -> None:
+    results, work = runs
+    r = results["refusals"]
+    assert r["error"] is None
+    assert r["finish"] == {"X": "length", "A": "error", "B": "error", "C": "length"}
+    assert r["first_scheduled"] == ["X", "C"]
+    log = (work / "driver.log").read_text()
+    assert "vllm_xargs: deadline_s must be finite and > 0, got -1" in log
+    assert "attrs must be a JSON object (or its JSON text)" in log
+
+
+def test_plugin_raising_gets_cbcore_named_error(runs: Any) -> None:
+    results, _ = runs
+    err = results["raising-key"]["error"]
+    assert err is not None and err.startswith("SchedulerError: queue policy 'raise-on-five' (path ")
+    assert "raised in key(): ZeroDivisionError: division by zero" in err

@@ -92,6 +92,15 @@ class GarbageOrder(QueuePolicy):
         return list(seqs)[1:] if len(seqs) > 1 else list(seqs)
 
 
+class RaiseOnFive(QueuePolicy):
+    """A broken queue: key() divides by zero for a prompt of five tokens."""
+
+    name = "raise-on-five"
+
+    def key(self, seq, now):
+        return (1 / (seq.num_prompt_tokens - 5), seq.request_id)
+
+
 @hookimpl
 def cbcore_register_policies():
-    return [LongestPromptFirst, EarliestDeadlineFirst, EvictLongestPrompt, GarbageOrder]
+    return [LongestPromptFirst, EarliestDeadlineFirst, EvictLongestPrompt, GarbageOrder, RaiseOnFive]
