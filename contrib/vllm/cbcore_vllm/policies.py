@@ -85,7 +85,7 @@ def refuse_unsupported(p: Policies) -> None:
         )
 
 
-def chunking(p: Policies, max_num_batched_tokens: int) -> Chunking:
+def chunking(p: Policies, max_num_batched_tokens: int, max_model_len: int) -> Chunking:
     """vLLM's chunking for the prefill policy; RefusedPolicy for one it cannot express.
 
     vLLM sizes each prefill inline (pending tokens, capped by one per-step
@@ -100,6 +100,12 @@ def chunking(p: Policies, max_num_batched_tokens: int) -> Chunking:
             "waiting ones in every step (decode-first)"
         )
     if type(prefill) is WholePrompt:
+        if max_num_batched_tokens < max_model_len:
+            raise RefusedPolicy(
+                f"{name}: needs --max-num-batched-tokens >= --max-model-len ({max_num_batched_tokens} < "
+                f"{max_model_len}): cbcore runs a prompt longer than the budget alone in its step, vLLM "
+                "without chunking never runs it"
+            )
         return Chunking(enable_chunked_prefill=False, long_prefill_token_threshold=0)
     if type(prefill) is ChunkedPrefill:
         params = prefill.params

@@ -36,6 +36,11 @@ class VictimList(list[Request]):
             return self._victim
         return super().__getitem__(index)
 
+    def settle(self) -> None:
+        """End of schedule(): no request is asking, and a victim vLLM chose not to evict is forgotten."""
+        self.asking = None
+        self._victim = None
+
     def pop(self, index: SupportsIndex = -1) -> Request:
         victim, self._victim = self._victim, None
         if victim is None or int(index) != -1:

@@ -67,7 +67,12 @@ class Scheduler(VllmScheduler):
             )
         self._policies = build(config)
         refuse_unsupported(self._policies)
-        chunks = chunking(self._policies, sc.max_num_batched_tokens)
+        chunks = chunking(self._policies, sc.max_num_batched_tokens, vllm_config.model_config.max_model_len)
+        if sc.long_prefill_token_threshold not in (0, chunks.long_prefill_token_threshold):
+            raise ConfigError(
+                f"--long-prefill-token-threshold {sc.long_prefill_token_threshold} conflicts with "
+                f"{self._policies.names[id(self._policies.prefill)]}, which decides the prefill chunk; leave it unset"
+            )
         sc.enable_chunked_prefill = chunks.enable_chunked_prefill
         sc.long_prefill_token_threshold = chunks.long_prefill_token_threshold
         super().__init__(vllm_config, *args, **kwargs)
@@ -85,6 +90,7 @@ class Scheduler(VllmScheduler):
         self._vllm_max_tokens = self.max_num_scheduled_tokens
         self._vllm_max_seqs = self.max_num_active_reqs
         self._refusals = Refusals()
+        self._clamp_noted = False
         self._finished_in_update: list[RequestView] | None = None
         self._wrap_allocate_slots()
         log.info(
@@ -163,6 +169,16 @@ class Scheduler(VllmScheduler):
             and limits.max_num_tokens >= 1
         ):
             self._guard.broke(budget, "limits() returns StepLimits of two ints >= 1", f"got {limits!r}")
+        if not self._clamp_noted and (
+            limits.max_num_tokens > self._vllm_max_tokens or limits.max_num_seqs > self._vllm_max_seqs
+        ):
+            self._clamp_noted = True
+            log.warning(
+                "the budget's limits exceed vLLM's; vLLM's apply (its model runner is sized by them)",
+                budget=self._policies.names[id(budget)],
+                budget_limits=(limits.max_num_seqs, limits.max_num_tokens),
+                vllm_limits=(self._vllm_max_seqs, self._vllm_max_tokens),
+            )
         self.max_num_scheduled_tokens = min(self._vllm_max_tokens, limits.max_num_tokens)
         self.max_num_active_reqs = min(self._vllm_max_seqs, limits.max_num_seqs)
         self._guard.call(self._policies.prefill.begin_step)
@@ -179,7 +195,7 @@ class Scheduler(VllmScheduler):
             self.waiting.end_step()
             self.kv_holding_waiting.end_step()
             if isinstance(self.running, VictimList):
-                self.running.asking = None
+                self.running.settle()
         for rid, n in out.num_scheduled_tokens.items():
             request = self.requests[rid]
             if request in was_waiting:  # admitted: what its cache lookup found is now behind num_computed

@@ -53,6 +53,14 @@ def admission_requests() -> list[dict[str, Any]]:
     ]
 
 
+CHUNK8 = {"name": "chunked-prefill", "chunk_size": 8}
+
+
+def chunk_requests() -> list[dict[str, Any]]:
+    # L alone, then M and N together, long after L has finished.
+    return trace([("L", 30, 2, 0, "c", 9.0, 0), ("M", 20, 2, 0, "c", 9.0, 10), ("N", 20, 2, 0, "c", 9.0, 10)])
+
+
 def refused_requests() -> list[dict[str, Any]]:
     # A's deadline and B's attrs are what cbcore's add_request refuses; X and C must be served regardless.
     reqs = admission_requests()
@@ -113,6 +121,20 @@ def scenarios(model: Path, log_dir: Path) -> list[dict[str, Any]]:
                 {"id": "X", "prompt": [1, 7, 7, 7], "max_tokens": 3, "arrive": 0},
                 {"id": "A", "prompt": [1, 8, 9, 10, 11], "max_tokens": 2, "arrive": 1},
             ],
+        },
+        {
+            "name": "chunk-alone",
+            "model": str(model),
+            "engine": engine(2, 64),
+            "cbcore": {"scheduler": {"budget": LIMITS, "prefill": CHUNK8}},
+            "requests": chunk_requests(),
+        },
+        {
+            "name": "whole-prompt-refused",
+            "model": str(model),
+            "engine": engine(2, 64),
+            "cbcore": {"scheduler": {"prefill": {"name": "whole-prompt"}}},
+            "requests": [],
         },
         {
             "name": "swap-refused",
@@ -216,6 +238,28 @@ def test_misbehaving_plugin_gets_cbcore_named_error(runs: Any) -> None:
     assert err is not None and "SchedulerError" in err
     assert "queue policy 'garbage-order' (path " in err
     assert "broke the rule 'order() returns each given sequence exactly once'" in err
+
+
+def test_chunk_of_a_prefill_alone_differs_as_documented(runs: Any, tiny_dir: Path) -> None:
+    """docs/vllm.md: vLLM caps a prefill at long_prefill_token_threshold only when it is not alone."""
+    results, _ = runs
+    r = results["chunk-alone"]
+    assert r["error"] is None
+    config = {"scheduler": {"budget": LIMITS, "prefill": CHUNK8}, "kv_cache": {"block_size": BLOCK, "num_blocks": 200}}
+    ref = run_cbcore(tiny_dir, config, chunk_requests())
+    vllm_steps = [s for s in r["scheduled"] if s]
+    assert vllm_steps[0] == {"L": 30}  # alone: the whole budget
+    assert ref["scheduled"][0] == {"L": 8}  # cbcore: chunk_size regardless
+    together = {"M": 8, "N": 8}  # with company both engines chunk at chunk_size
+    assert together in vllm_steps and together in ref["scheduled"]
+    assert r["first_scheduled"] == ref["first_scheduled"] == ["L", "M", "N"]
+
+
+def test_whole_prompt_needs_a_budget_for_the_longest_prompt(runs: Any) -> None:
+    results, _ = runs
+    err = results["whole-prompt-refused"]["error"]
+    assert err is not None and "prefill policy 'whole-prompt' (built-in)" in err
+    assert "--max-num-batched-tokens >= --max-model-len (64 < 256)" in err
 
 
 def test_swap_preemption_is_refused_at_start(runs: Any) -> None:

@@ -53,6 +53,7 @@ def run(scn: dict[str, Any]) -> dict[str, Any]:
     sched = engine.engine_core.engine_core.scheduler
     first: list[str] = []
     preempted: list[list[Any]] = []
+    scheduled: list[dict[str, int]] = []  # per step: tokens scheduled per request
     steps = [0]
     schedule, preempt = sched.schedule, sched._preempt_request
 
@@ -60,6 +61,7 @@ def run(scn: dict[str, Any]) -> dict[str, Any]:
         steps[0] += 1
         out = schedule(*a, **k)
         first.extend(ext for r in out.scheduled_new_reqs if (ext := external(r.req_id)) not in first)
+        scheduled.append({external(rid): n for rid, n in out.num_scheduled_tokens.items()})
         return out
 
     def recording_preempt(request: Any, *a: Any, **k: Any) -> None:
@@ -102,6 +104,7 @@ def run(scn: dict[str, Any]) -> dict[str, Any]:
         "steps": steps[0],
         "first_scheduled": first,
         "preempted": preempted,
+        "scheduled": scheduled,
         "tokens": tokens,
         "finish": finish,
         "error": error,

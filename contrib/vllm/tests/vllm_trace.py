@@ -52,12 +52,14 @@ def run_cbcore(model_dir: Path, config: dict[str, Any], requests: list[dict[str,
     engine = Engine(model, None, EngineConfig.model_validate(config), clock=lambda: ticks[0] * STEP_S)
     first: list[str] = []
     preempted: list[list[Any]] = []
+    scheduled: list[dict[str, int]] = []
 
     def listen(record: Any) -> None:
         for item in record.output.scheduled:
             if item.seq.request_id not in first:
                 first.append(item.seq.request_id)
         preempted.extend([ticks[0], s.request_id] for s in record.output.preempted)
+        scheduled.append({item.seq.request_id: item.num_tokens for item in record.output.scheduled})
 
     engine.step_listeners.append(listen)
     pending = sorted(requests, key=lambda r: r.get("arrive", 0))
@@ -80,4 +82,4 @@ def run_cbcore(model_dir: Path, config: dict[str, Any], requests: list[dict[str,
                 tokens[out.request_id] = list(out.output_token_ids)
         if not pending and not engine.has_unfinished():
             break
-    return {"first_scheduled": first, "preempted": preempted, "tokens": tokens}
+    return {"first_scheduled": first, "preempted": preempted, "scheduled": scheduled, "tokens": tokens}
