@@ -49,7 +49,7 @@ demo: setup
 	$(VENV)/bin/cb demo
 
 test: setup vllm-setup
-	$(PY) -m pytest
+	CBCORE_VLLM_PYTHON=$(abspath $(VLLM_PY)) $(PY) -m pytest
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -137,6 +137,13 @@ def scenarios(model: Path, log_dir: Path) -> list[dict[str, Any]]:
             "requests": [],
         },
         {
+            "name": "priority-default-refused",
+            "model": str(model),
+            "engine": engine(2, 64),
+            "cbcore": {"scheduler": {"queue": {"name": "priority"}}},
+            "requests": [],
+        },
+        {
             "name": "swap-refused",
             "model": str(model),
             "engine": engine(1, 64),
@@ -284,3 +291,10 @@ def test_plugin_raising_gets_cbcore_named_error(runs: Any) -> None:
     err = results["raising-key"]["error"]
     assert err is not None and err.startswith("SchedulerError: queue policy 'raise-on-five' (path ")
     assert "raised in key(): ZeroDivisionError: division by zero" in err
+
+
+def test_queue_preempting_running_requests_is_refused_at_start(runs: Any) -> None:
+    results, _ = runs
+    err = results["priority-default-refused"]["error"]
+    assert err is not None and err.startswith("RefusedPolicy: queue policy 'priority' (built-in): preempts_running")
+    assert "never to admit a waiting one; set preempt_running: false" in err

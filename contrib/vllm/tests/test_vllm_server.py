@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -77,10 +78,12 @@ def test_greedy_tokens_equal_cbcore_engine(server: dict[str, Any], default_dir: 
 
     tok = AutoTokenizer.from_pretrained(default_dir)
     ids = [tok(p)["input_ids"] for p in PROMPTS]
-    got = [
-        complete(server["port"], prompt=i, max_tokens=MAX_TOKENS, return_token_ids=True)["choices"][0]["token_ids"]
-        for i in ids
-    ]
+    # Sent at once, so that vLLM batches them (and chunks their prefills) under the adapter.
+    with ThreadPoolExecutor(len(ids)) as pool:
+        answers = list(
+            pool.map(lambda i: complete(server["port"], prompt=i, max_tokens=MAX_TOKENS, return_token_ids=True), ids)
+        )
+    got = [a["choices"][0]["token_ids"] for a in answers]
     config = EngineConfig.model_validate({"scheduler": SCHED, "kv_cache": {"block_size": 32, "num_blocks": 256}})
     engine = Engine.from_pretrained(str(default_dir), config=config)
     ref = engine.generate(ids, SamplingParams(max_new_tokens=MAX_TOKENS))
