@@ -151,6 +151,16 @@ def scenarios(model: Path, log_dir: Path) -> list[dict[str, Any]]:
             "requests": [],
         },
     ]
+    for rule in VICTIM_RULES:
+        out.append(
+            {
+                "name": f"victim-{rule}",
+                "model": str(model),
+                "engine": engine(3, 128, num_gpu_blocks_override=TIGHT_BLOCKS + 1, max_model_len=TIGHT_BLOCKS * BLOCK),
+                "cbcore": victim_config(rule) | {"clock": clock},
+                "requests": preemption_requests(),
+            }
+        )
     for name, sched in EQUIVALENCE.items():
         out.append(
             {
@@ -162,6 +172,19 @@ def scenarios(model: Path, log_dir: Path) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+VICTIM_RULES = ("newest", "lowest-priority", "least-progress")
+
+
+def victim_config(rule: str) -> dict[str, Any]:
+    return {
+        "scheduler": {
+            "queue": {"name": "priority", "preempt_running": False},
+            "budget": {"name": "token-budget", "max_num_seqs": 3, "max_num_batched_tokens": 128},
+            "preemption": {"name": "recompute", "victim": rule},
+        }
+    }
 
 
 def preemption_config(log: Path) -> dict[str, Any]:
@@ -214,6 +237,31 @@ def test_preemption_plugin_chooses_the_victim(runs: Any, tiny_dir: Path, tmp_pat
     assert [v for _, v in r["preempted"]] == [v for _, v in ref["preempted"]]
     assert r["first_scheduled"] == ref["first_scheduled"]
     assert sorted(r["tokens"]) == ["P1", "P2", "P3"] and all(len(t) == 40 for t in r["tokens"].values())
+
+
+@pytest.mark.parametrize("rule", VICTIM_RULES)
+def test_builtin_victims_match_cbcore_under_a_tight_cache(runs: Any, tiny_dir: Path, rule: str) -> None:
+    results, _ = runs
+    r = results[f"victim-{rule}"]
+    assert r["error"] is None and r["preempted"], "the tight cache must force a preemption"
+    config = victim_config(rule) | {"kv_cache": {"block_size": BLOCK, "num_blocks": TIGHT_BLOCKS}}
+    ref = run_cbcore(tiny_dir, config, preemption_requests())
+    victims = [v for _, v in r["preempted"]]
+    assert victims == [v for _, v in ref["preempted"]]
+    # P1 has the lowest priority (the largest value); P3 is the newest (ties: id) and the least advanced.
+    assert victims == (["P1", "P3"] if rule == "lowest-priority" else ["P3", "P1"])
+    assert r["first_scheduled"] == ref["first_scheduled"]
+    step = r["preempted"][0][0]
+    assert ref["preempted"][0][0] == step
+    if rule == "lowest-priority":  # P3 asks for a block and P1 is evicted: the same steps throughout
+        assert r["preempted"] == ref["preempted"]
+        assert r["scheduled"][:step] == ref["scheduled"][:step]
+    else:
+        # P3 asks and is its own victim. Documented difference: vLLM 0.32.0 then ends its running
+        # loop, so P1 (after P3 in running order) waits a step; cbcore goes on and decodes P1.
+        assert r["scheduled"][step - 1] == {"P2": 1}
+        assert ref["scheduled"][step - 1] == {"P2": 1, "P1": 1}
+        assert r["preempted"][1][0] == ref["preempted"][1][0] + 1
 
 
 @pytest.mark.parametrize("policy", sorted(EQUIVALENCE))
