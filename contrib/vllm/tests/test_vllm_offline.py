@@ -53,6 +53,22 @@ def admission_requests() -> list[dict[str, Any]]:
     ]
 
 
+# A config vLLM cannot start with, and what its error must say (cbcore's words: key path, suggestion).
+CONFIG_ERRORS: dict[str, tuple[dict[str, Any], str]] = {
+    "bad-param": (
+        {"scheduler": {"queue": {"name": "priority", "agin": 1}}},
+        "additional_config.cbcore: scheduler.queue.agin: Extra inputs are not permitted (did you mean 'aging_s'?)",
+    ),
+    "kv-cache-section": (
+        {"kv_cache": {"num_blocks": 8}},
+        "additional_config.cbcore.kv_cache: inside vLLM this is decided by --block-size",
+    ),
+    "prefill-first": (
+        {"plugins": [PLUGIN], "scheduler": {"prefill": {"name": "whole-prompt", "order": "prefill-first"}}},
+        "prefill policy 'whole-prompt' (built-in): order 'prefill-first' cannot be honoured",
+    ),
+}
+
 CHUNK8 = {"name": "chunked-prefill", "chunk_size": 8}
 
 
@@ -143,6 +159,10 @@ def scenarios(model: Path, log_dir: Path) -> list[dict[str, Any]]:
             "cbcore": {"scheduler": {"queue": {"name": "priority"}}},
             "requests": [],
         },
+        *[
+            {"name": name, "model": str(model), "engine": engine(1, 64), "cbcore": cbcore, "requests": []}
+            for name, (cbcore, _) in CONFIG_ERRORS.items()
+        ],
         {
             "name": "swap-refused",
             "model": str(model),
@@ -346,3 +366,10 @@ def test_queue_preempting_running_requests_is_refused_at_start(runs: Any) -> Non
     err = results["priority-default-refused"]["error"]
     assert err is not None and err.startswith("RefusedPolicy: queue policy 'priority' (built-in): preempts_running")
     assert "never to admit a waiting one; set preempt_running: false" in err
+
+
+@pytest.mark.parametrize("name", sorted(CONFIG_ERRORS))
+def test_config_errors_name_the_key_and_the_reason(runs: Any, name: str) -> None:
+    results, _ = runs
+    err = results[name]["error"]
+    assert err is not None and CONFIG_ERRORS[name][1] in err, err
