@@ -1,0 +1,118 @@
+"""The adapter in vLLM's OpenAI-compatible server, as a user starts it.
+
+One server on the default model (SmolLM2-135M, converted once by cbcore) for
+the token and per-request-field checks, and one start that must fail.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm_helpers import PLUGIN, free_port, server_command, server_env, wait_healthy
+
+PROMPTS = ["The capital of France is", "Once upon a time", "In machine learning, a transformer is"]
+MAX_TOKENS = 16
+SCHED = {
+    "queue": {"name": "sjf"},
+    "budget": {"name": "token-budget", "max_num_seqs": 4, "max_num_batched_tokens": 256},
+    "prefill": {"name": "chunked-prefill", "chunk_size": 8},
+}
+
+
+@pytest.fixture(scope="module")
+def default_dir() -> Path:
+    from cbcore.models.default_model import default_model_dir
+
+    return default_model_dir()
+
+
+@pytest.fixture(scope="module")
+def server(default_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    work = tmp_path_factory.mktemp("vllm-server")
+    events = work / "events.jsonl"
+    sched = {**SCHED, "queue": {"name": "longest-prompt-first", "log": str(events)}}
+    port = free_port()
+    log = work / "server.log"
+    cmd = server_command(
+        default_dir, port, {"plugins": [PLUGIN], "scheduler": sched}, "--scheduling-policy", "priority",
+        "--max-num-seqs", "4", "--max-num-batched-tokens", "256", "--served-model-name", "smollm",
+    )
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, env=server_env(), stdout=out, stderr=subprocess.STDOUT, text=True)
+        try:
+            startup = wait_healthy(proc, port, log)
+            sys.stderr.write(f"vLLM server (default model) healthy after {startup:.1f} s\n")
+            yield {"port": port, "events": events, "log": log, "startup_s": startup}
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def complete(port: int, **body: Any) -> dict[str, Any]:
+    import urllib.request
+
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=json.dumps({"model": "smollm", "temperature": 0, **body}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.loads(r.read())
+
+
+def test_greedy_tokens_equal_cbcore_engine(server: dict[str, Any], default_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from cbcore import Engine, EngineConfig, SamplingParams
+
+    tok = AutoTokenizer.from_pretrained(default_dir)
+    ids = [tok(p)["input_ids"] for p in PROMPTS]
+    # Sent at once, so that vLLM batches them (and chunks their prefills) under the adapter.
+    with ThreadPoolExecutor(len(ids)) as pool:
+        answers = list(
+            pool.map(lambda i: complete(server["port"], prompt=i, max_tokens=MAX_TOKENS, return_token_ids=True), ids)
+        )
+    got = [a["choices"][0]["token_ids"] for a in answers]
+    config = EngineConfig.model_validate({"scheduler": SCHED, "kv_cache": {"block_size": 32, "num_blocks": 256}})
+    engine = Engine.from_pretrained(str(default_dir), config=config)
+    ref = engine.generate(ids, SamplingParams(max_new_tokens=MAX_TOKENS))
+    assert got == [list(o.output_token_ids) for o in ref]
+    assert tok.decode(got[0]).startswith(" Paris")
+
+
+def test_client_id_deadline_and_attrs_reach_the_policy(server: dict[str, Any]) -> None:
+    xargs = {"client_id": "tenant-7", "deadline_s": 2.5, "attrs": json.dumps({"tier": "gold", "n": [1, 2]})}
+    complete(server["port"], prompt="Hello there", max_tokens=2, priority=3, vllm_xargs=xargs)
+    deadline = time.monotonic() + 30
+    seen: list[dict[str, Any]] = []
+    while time.monotonic() < deadline and not seen:
+        lines = server["events"].read_text().splitlines() if server["events"].exists() else []
+        seen = [e for e in map(json.loads, lines) if e["event"] == "arrival" and e["client_id"] == "tenant-7"]
+        time.sleep(0.2)
+    assert seen, "the policy never saw the request"
+    e = seen[0]
+    assert (e["deadline_s"], e["priority"], e["attrs"]) == (2.5, 3, {"tier": "gold", "n": [1, 2]})
+    assert e["deadline"] == pytest.approx(e["arrival_time"] + 2.5)
+    assert e["max_new_tokens"] == 2
+
+
+def test_unknown_plugin_stops_the_server_naming_it(tiny_dir: Path, tmp_path: Path) -> None:
+    cbcore = {"scheduler": {"queue": {"name": "priorty"}}}
+    cmd = server_command(tiny_dir, free_port(), cbcore, "--skip-tokenizer-init", "--max-num-batched-tokens", "256")
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, env=server_env(), capture_output=True, text=True, timeout=900)
+    sys.stderr.write(f"vLLM server with an unknown plugin exited after {time.monotonic() - t0:.1f} s\n")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "scheduler.queue: unknown queue plugin 'priorty' (did you mean 'priority'?)" in out, out[-3000:]

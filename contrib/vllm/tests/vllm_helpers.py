@@ -1,0 +1,132 @@
+"""Helpers for the adapter tests: vLLM runs from its own venv (.venv-vllm) in a subprocess.
+
+vLLM pins torch and transformers differently from cbcore, so these tests run in
+cbcore's venv (for cbcore's engine, the reference side) and start vLLM from
+``.venv-vllm`` (``make vllm-setup``). Start-ups are the cost here (about 20 s
+to import vLLM, a few seconds per engine on the tiny model, more on the default
+model), so every offline scenario runs in one driver process, and one server
+serves all the HTTP checks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+VLLM_PY = Path(os.environ.get("CBCORE_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
+HERE = Path(__file__).resolve().parent
+PLUGIN = str(HERE / "plugins" / "recorder.py")
+DRIVER = str(HERE / "vllm_driver.py")
+
+
+def vllm_python() -> Path:
+    if not VLLM_PY.exists():
+        pytest.fail(f"{VLLM_PY} is missing: run `make vllm-setup` (the adapter tests need vLLM's own venv)")
+    return VLLM_PY
+
+
+def vllm_env() -> dict[str, str]:
+    """vLLM's CPU build as its docs advise, sized for a 2-core machine and small caches."""
+    env = dict(os.environ)
+    iomp = VLLM_PY.parent.parent / "lib" / "libiomp5.so"
+    env.update(
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_CPU_OMP_THREADS_BIND="0-1" if (os.cpu_count() or 1) >= 2 else "0",
+        VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+        VLLM_HOST_IP="127.0.0.1",
+    )
+    if iomp.exists():
+        env["LD_PRELOAD"] = str(iomp)
+    env.pop("VIRTUAL_ENV", None)
+    return env
+
+
+def run_driver(scenarios: list[dict[str, Any]], workdir: Path, timeout_s: float = 1200) -> dict[str, dict[str, Any]]:
+    spec, out = workdir / "spec.json", workdir / "out.json"
+    spec.write_text(json.dumps({"scenarios": scenarios}))
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [str(vllm_python()), DRIVER, str(spec), str(out)],
+        env=vllm_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    (workdir / "driver.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0 or not out.exists():
+        raise AssertionError(f"vLLM driver failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+    results = {r["name"]: r for r in json.loads(out.read_text())["results"]}
+    sys.stderr.write(f"vLLM driver: {time.monotonic() - t0:.1f} s for {len(scenarios)} engines\n")
+    return results
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def server_command(model: Path, port: int, cbcore: dict[str, Any], *extra: str) -> list[str]:
+    """vLLM's OpenAI server with the adapter, as docs/vllm.md starts it (its `vllm` script is broken here)."""
+    return [
+        str(vllm_python()),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--scheduler-cls",
+        "cbcore_vllm.Scheduler",
+        "--no-async-scheduling",
+        "--additional-config",
+        json.dumps({"cbcore": cbcore}),
+        "--enforce-eager",
+        "--dtype",
+        "float32",
+        "--block-size",
+        "32",
+        "--max-model-len",
+        "512",
+        *extra,
+    ]
+
+
+def server_env() -> dict[str, str]:
+    env = vllm_env()
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")  # the server runs its engine core in a process of its own
+    return env
+
+
+def wait_healthy(proc: subprocess.Popen[str], port: int, log: Path, timeout_s: float = 900) -> float:
+    """Seconds until /health answers 200; fails with the log's tail if the server dies first."""
+    import urllib.request
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if proc.poll() is not None:
+            raise AssertionError(f"vLLM server exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return time.monotonic() - t0
+        except OSError:
+            pass
+        time.sleep(1.0)
+    raise AssertionError(f"vLLM server not healthy after {timeout_s} s:\n{log.read_text()[-4000:]}")
