@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from cbcore.log import get_logger
 from cbcore.outputs import RequestOutput
-from cbcore.request_checks import Prompt, RequestError
+from cbcore.request_checks import Prompt, RequestError, encode_prompt
 from cbcore.scheduling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -75,12 +75,17 @@ def run_batch(
                 prompt_ids = prompt if isinstance(prompt, list) else []
                 done[request_id] = RequestOutput.rejected(request_id, list(prompt_ids), str(exc))
         bar = _progress(progress, len(ids) - len(done))
+        last: dict[str, RequestOutput] = {}  # each request's latest delta, for one aborted meanwhile
         while core.has_unfinished():
             for output in core.step():
+                last[output.request_id] = output
                 if output.finished:
                     done[output.request_id] = output
                     bar.update(1)
         bar.close()
+        for i, request_id in enumerate(ids):
+            if request_id not in done:  # aborted outside the loop, by a step listener say: it ends here
+                done[request_id] = _aborted(core, request_id, prompts[i], last.get(request_id))
     except BaseException:
         for request_id in ids:
             if request_id not in done:
@@ -90,6 +95,15 @@ def run_batch(
                     log.error("abort failed", request_id=request_id, error=str(exc))
         raise
     return [done[i] for i in ids]
+
+
+def _aborted(core: EngineCore, request_id: str, prompt: Prompt, last: RequestOutput | None) -> RequestOutput:
+    """The final output of a request that ended by ``abort()`` (which yields no output of its own)."""
+    if last is not None:
+        prompt_ids, output_ids = list(last.prompt_token_ids), list(last.output_token_ids)
+    else:
+        prompt_ids, output_ids = encode_prompt(prompt, request_id, core.tokenizer), []
+    return RequestOutput(request_id, prompt_ids, output_ids, [], True, "abort")
 
 
 def _expand(value: Any, n: int, what: str, single: Any, default: Any) -> list[Any]:
