@@ -9,17 +9,18 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI, Response
 from fastapi.responses import JSONResponse
 
 from cbcore.config import ServeConfig
 from cbcore.engine import Engine
 from cbcore.serve import errors
-from cbcore.serve.auth import require_key
 from cbcore.serve.convert import Limits
 from cbcore.serve.engine_loop import EngineLoop
 from cbcore.serve.errors import ApiError
+from cbcore.serve.guard import RequestGuard, default_body_limit
 from cbcore.serve.metrics import CONTENT_TYPE, ServerMetrics, policy_label
+from cbcore.serve.prompts import PromptBuilder
 
 
 @dataclass
@@ -32,6 +33,16 @@ class ServerState:
     metrics: ServerMetrics
     api_key: str | None = None
     started: int = field(default_factory=lambda: int(time.time()))
+    prompts: PromptBuilder = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.prompts = PromptBuilder(self.tokenizer, self.limits, self.settings.tokenizer_threads)
+
+    @property
+    def max_body_bytes(self) -> int:
+        if self.settings.max_body_bytes is not None:
+            return self.settings.max_body_bytes
+        return default_body_limit(self.prompts.context)
 
     def admit(self) -> None:
         """503 (with Retry-After) while shutting down or while the waiting queue is full."""
@@ -67,19 +78,23 @@ def make_app(state: ServerState) -> FastAPI:
             yield
         finally:
             loop.stop()
+            state.prompts.close()
 
     app = FastAPI(title="cbcore", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.cb = state
     errors.install(app)
     app.include_router(api)
-
-    async def guard(request: Request) -> None:
-        if settings.protect_metrics:
-            await require_key(request)
+    # The key and the body limit, before any route reads or parses the body.
+    app.add_middleware(
+        RequestGuard,
+        api_key=state.api_key,
+        protect_metrics=settings.protect_metrics,
+        max_body_bytes=state.max_body_bytes,
+        body_timeout_s=settings.body_timeout_s,
+    )
 
     @app.get("/health")
-    async def health(request: Request) -> JSONResponse:
-        await guard(request)
+    async def health() -> JSONResponse:
         if not loop.alive:
             return JSONResponse({"status": "engine thread stopped"}, status_code=503)
         if loop.draining:
@@ -87,8 +102,7 @@ def make_app(state: ServerState) -> FastAPI:
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
-    async def prometheus(request: Request) -> Response:
-        await guard(request)
+    async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     return app

@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from cbcore.scheduling.sampling_params import SamplingParams
+from cbcore.scheduling.sampling_params import GREEDY_BELOW, SamplingParams
 from cbcore.serve.errors import ApiError
 from cbcore.serve.protocol import ChatRequest, CompletionRequest
 
@@ -37,24 +37,25 @@ class Limits:
         return cls(engine.vocab_size, engine.max_model_len, blocks.block_size, blocks.num_blocks)
 
 
-def completion_prompt(body: CompletionRequest, tokenizer: Any) -> list[int]:
+def single_prompt(body: CompletionRequest) -> str | list[int]:
+    """The one prompt of a completions body (a list of one prompt is that prompt)."""
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         if len(prompt) != 1:
             raise ApiError(400, f"{len(prompt)} prompts in one request are not supported; send one", "prompt")
         prompt = prompt[0]
-    if isinstance(prompt, str):
-        return list(tokenizer.encode(prompt))
-    return list(prompt)
+    return prompt  # type: ignore[return-value]
 
 
-def chat_prompt(body: ChatRequest, tokenizer: Any) -> list[int]:
+def chat_messages(body: ChatRequest, tokenizer: Any) -> list[dict[str, Any]]:
+    """The messages as the chat template reads them (content as one string)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ApiError(400, "this model has no chat template; use /v1/completions", "messages")
-    try:
-        messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in body.messages]
-    except ValueError as exc:
-        raise ApiError(400, str(exc), "messages") from None
+    return [{**m.model_dump(exclude_none=True), "content": m.text()} for m in body.messages]
+
+
+def render_chat(messages: list[dict[str, Any]], tokenizer: Any) -> list[int]:
+    """Template and tokenise (slow for long conversations: the server runs it on a worker thread)."""
     try:
         ids = tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=True, return_dict=False
@@ -100,11 +101,12 @@ def max_new_tokens(requested: int | None, prompt_len: int, limits: Limits, field
 
 
 def sampling_params(body: CompletionRequest | ChatRequest, max_tokens: int) -> SamplingParams:
+    greedy = body.temperature < GREEDY_BELOW  # top_p and top_k mean nothing then (OpenAI and vLLM accept them)
     values = {
         "max_new_tokens": max_tokens,
         "temperature": body.temperature,
-        "top_p": body.top_p,
-        "top_k": max(body.top_k, 0),
+        "top_p": 1.0 if greedy else body.top_p,
+        "top_k": 0 if greedy else max(body.top_k, 0),
         "seed": body.seed,
         "ignore_eos": body.ignore_eos,
     }

@@ -1,6 +1,6 @@
 """The endpoints: completions and chat (streamed or not), models, health, metrics.
 
-A request is validated and tokenised here, handed to the engine thread, and
+A request is validated here, tokenised on a worker thread (:mod:`cbcore.serve.prompts`), handed to the engine thread, and
 its deltas are read from its queue as each step ends: streamed as
 server-sent events, or gathered for a plain response. Whatever ends the
 handler early (client gone, stop string matched, server shutting down), the
@@ -16,13 +16,12 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 
 from cbcore.outputs import RequestOutput
 from cbcore.serve import convert
-from cbcore.serve.auth import require_key
 from cbcore.serve.engine_loop import Failed, Handle, Submission
 from cbcore.serve.errors import ApiError
 from cbcore.serve.protocol import (
@@ -46,7 +45,7 @@ from cbcore.serve.text import TextDelta, TextStream
 if TYPE_CHECKING:
     from cbcore.serve.app import ServerState
 
-api = APIRouter(prefix="/v1", dependencies=[Depends(require_key)])
+api = APIRouter(prefix="/v1")  # the API key is checked before the body is read: cbcore.serve.guard
 DISCONNECT_POLL_S = 0.5
 
 
@@ -175,9 +174,8 @@ async def gather(request: Request, run: Run) -> tuple[str, list[int], str]:
             await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
             if not task.done() and await request.is_disconnected():
                 task.cancel()
-                break
-        if task.cancelled():
-            raise ApiError(499, "the client closed the connection")
+                await asyncio.wait({task})  # a cancelled task is done only once it has run its cancellation
+                raise ApiError(499, "the client closed the connection")
         task.result()
     except RequestFailed as exc:
         raise ApiError(exc.failed.status, exc.failed.message) from None
@@ -194,7 +192,7 @@ async def gather(request: Request, run: Run) -> tuple[str, list[int], str]:
 @api.post("/completions", response_model=None)
 async def completions(body: CompletionRequest, request: Request) -> Response:
     state: ServerState = request.app.state.cb
-    prompt_ids = convert.completion_prompt(body, state.tokenizer)
+    prompt_ids = await state.prompts.completion(body)
     run = await start(request, body, prompt_ids, "prompt")
     rid, created, tokens = run.handle.request_id, int(time.time()), body.return_token_ids
     if body.stream:
@@ -236,7 +234,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 @api.post("/chat/completions", response_model=None)
 async def chat_completions(body: ChatRequest, request: Request) -> Response:
     state: ServerState = request.app.state.cb
-    prompt_ids = convert.chat_prompt(body, state.tokenizer)
+    prompt_ids = await state.prompts.chat(body)
     run = await start(request, body, prompt_ids, "messages")
     rid, created, tokens = run.handle.request_id, int(time.time()), body.return_token_ids
     if body.stream:
