@@ -132,7 +132,12 @@ class RequestGuard:
             {
                 "type": "http.response.start",
                 "status": error.status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())],
+                # The rest of the body is not read: closing is cheaper than reading it to throw away.
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(payload)).encode()),
+                    (b"connection", b"close"),
+                ],
             }
         )
         await send({"type": "http.response.body", "body": payload})
