@@ -10,7 +10,8 @@
 * A prompt too long to fit the context is refused from its character count.
 * A connection that sends nothing, or sends its headers a byte at a time, is
   closed; a body that stops arriving gets 408; a chunked body past
-  ``--max-body-bytes`` gets 413.
+  ``--max-body-bytes`` gets 413; ``--protect-metrics`` puts ``/health`` and
+  ``/metrics`` behind the key.
 """
 
 from __future__ import annotations
@@ -152,7 +153,7 @@ def test_a_prompt_too_long_for_the_context_is_refused_by_its_length(tiny_server,
 def strict_server(cb_tiny_model_dir):
     """A server with short timeouts and a small body limit."""
     args = ["--model", str(cb_tiny_model_dir), "--api-key", SERVE_KEY, "--threads", "1"]
-    args += ["--header-timeout", "1", "--body-timeout", "1", "--max-body-bytes", "4096"]
+    args += ["--header-timeout", "1", "--body-timeout", "1", "--max-body-bytes", "4096", "--protect-metrics"]
     with ServerProcess(args, env={"OMP_NUM_THREADS": "1"}) as server:
         yield server
 
@@ -175,7 +176,7 @@ def test_connections_that_send_nothing_or_headers_byte_by_byte_are_closed(strict
         else:
             raise AssertionError("the server kept a connection whose headers never completed")
     with connect(strict_server.url) as sock:  # after a response: the next request's headers are timed too
-        sock.sendall(head("GET", "/health", {}))
+        sock.sendall(head("GET", "/health", AUTH))
         assert read_response(sock)[0] == 200
         sock.sendall(b"GET /hea")
         assert closed_by_server(sock)
@@ -191,3 +192,11 @@ def test_a_body_that_stops_arriving_is_408_and_a_chunked_body_past_the_limit_413
     assert r.status_code == 413 and "4096 bytes" in r.json()["error"]["message"]
     r = httpx.post(strict_server.url + "/v1/completions", json={"model": "x", "prompt": "y" * 5000}, headers=AUTH)
     assert r.status_code == 413
+
+
+def test_protect_metrics_puts_health_and_metrics_behind_the_key(strict_server):
+    for route in ("/health", "/metrics"):
+        r = httpx.get(strict_server.url + route)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert httpx.get(strict_server.url + route, headers=AUTH).status_code == 200
+

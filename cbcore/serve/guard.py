@@ -67,8 +67,6 @@ class RequestGuard:
         self.body_timeout_s = body_timeout_s
 
     def _needs_key(self, path: str) -> bool:
-        if self.api_key is None:
-            return False
         if path == "/v1" or path.startswith("/v1/"):
             return True
         return self.protect_metrics and path in ("/health", "/metrics")
@@ -78,9 +76,8 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         headers = {k.lower(): v for k, v in scope.get("headers", ())}
-        if self._needs_key(route_path(scope)):
+        if self.api_key is not None and self._needs_key(route_path(scope)):
             header = headers.get(b"authorization", b"").decode("latin-1")
-            assert self.api_key is not None
             if not key_matches(header, self.api_key):
                 await self._refuse(send, ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'"))
                 return
