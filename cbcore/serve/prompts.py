@@ -58,7 +58,7 @@ class PromptBuilder:
         if chars > self.max_chars:
             raise ApiError(
                 400,
-                f"the {field} has {chars} characters; at most {self.max_chars} can fit this model's context "
+                f"{'the messages have' if field == 'messages' else 'the prompt has'} {chars} characters; at most {self.max_chars} can fit this model's context "
                 f"of {self.context} tokens (no token of its tokenizer is longer than {self.max_token_chars} "
                 "characters)",
                 field,
