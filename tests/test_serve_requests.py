@@ -78,7 +78,7 @@ def test_a_client_hanging_up_on_a_plain_request_is_aborted_without_a_traceback(t
         if aborts - aborts0 >= 4 or time.monotonic() > deadline:
             break
         time.sleep(0.2)
-    assert aborts - aborts0 == 4
+    assert aborts - aborts0 >= 4  # (a stream an earlier test closed may be counted meanwhile too)
     log = tiny_server.log_text()[start:]
     assert "Traceback" not in log and "InvalidStateError" not in log, log[-3000:]
 
