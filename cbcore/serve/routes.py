@@ -1,7 +1,8 @@
 """The endpoints: completions and chat (streamed or not), models, health, metrics.
 
-A request is validated here, tokenised on a worker thread (:mod:`cbcore.serve.prompts`), handed to the engine thread, and
-its deltas are read from its queue as each step ends: streamed as
+A request is validated here, tokenised on a worker thread
+(:mod:`cbcore.serve.prompts`), handed to the engine thread, and its deltas
+are read from its queue as each step ends: streamed as
 server-sent events, or gathered for a plain response. Whatever ends the
 handler early (client gone, stop string matched, server shutting down), the
 request is aborted in the engine so its KV blocks are freed before the next
@@ -95,15 +96,19 @@ class Run:
             self.state.loop.abort(self.handle.request_id)
 
 
+def check_model(state: ServerState, body: ChatRequest | CompletionRequest) -> None:
+    """First, as it costs nothing: a request for another model is not worth tokenising."""
+    if body.model != state.model_name:
+        raise ApiError(
+            400, f"model {body.model!r} is not served here; this server serves {state.model_name!r}", "model"
+        )
+
+
 async def start(
     request: Request, body: ChatRequest | CompletionRequest, prompt_ids: list[int], field: str
 ) -> Run:
     """Validate, admit (or 503), submit, and wait for the engine to accept (or 400)."""
     state: ServerState = request.app.state.cb
-    if body.model != state.model_name:
-        raise ApiError(
-            400, f"model {body.model!r} is not served here; this server serves {state.model_name!r}", "model"
-        )
     convert.check_prompt(prompt_ids, state.limits, field)
     requested = (
         body.max_completion_tokens or body.max_tokens if isinstance(body, ChatRequest) else body.max_tokens
@@ -192,6 +197,7 @@ async def gather(request: Request, run: Run) -> tuple[str, list[int], str]:
 @api.post("/completions", response_model=None)
 async def completions(body: CompletionRequest, request: Request) -> Response:
     state: ServerState = request.app.state.cb
+    check_model(state, body)
     prompt_ids = await state.prompts.completion(body)
     run = await start(request, body, prompt_ids, "prompt")
     rid, created, tokens = run.handle.request_id, int(time.time()), body.return_token_ids
@@ -234,6 +240,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 @api.post("/chat/completions", response_model=None)
 async def chat_completions(body: ChatRequest, request: Request) -> Response:
     state: ServerState = request.app.state.cb
+    check_model(state, body)
     prompt_ids = await state.prompts.chat(body)
     run = await start(request, body, prompt_ids, "messages")
     rid, created, tokens = run.handle.request_id, int(time.time()), body.return_token_ids
