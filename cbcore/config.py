@@ -117,6 +117,18 @@ class ServeConfig(BaseModel):
         30.0, ge=0, description="On SIGTERM/SIGINT, how long in-flight requests may run before being aborted."
     )
     protect_metrics: bool = Field(False, description="Require the API key on /health and /metrics too.")
+    max_body_bytes: PositiveInt | None = Field(
+        None,
+        description="Largest request body, enforced while it is read (413 beyond); "
+        "None: max(1 MiB, 32 bytes per token of the model's context).",
+    )
+    header_timeout_s: float = Field(
+        10.0, gt=0, description="A connection must complete each request's headers within this many seconds."
+    )
+    body_timeout_s: float = Field(30.0, gt=0, description="A request's whole body must arrive within this many seconds.")
+    tokenizer_threads: PositiveInt = Field(
+        2, description="Threads that tokenise prompts and render chat templates, off the HTTP event loop."
+    )
 
 
 class ExecutionConfig(BaseModel):

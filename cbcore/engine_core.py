@@ -25,7 +25,6 @@ from pydantic import ValidationError
 from cbcore.config import EngineConfig
 from cbcore.log import get_logger
 from cbcore.outputs import EngineLoad, RequestOutput, StepStats, StepTotals
-from cbcore.plugins import validation_problems
 from cbcore.scheduling.plan import Sampled, StepPlan
 from cbcore.scheduling.policy_scheduler import build_scheduler
 from cbcore.scheduling.policy_set import describe
@@ -36,6 +35,7 @@ from cbcore.scheduling.request import (
     check_request,
     check_request_id,
     encode_prompt,
+    field_problems,
     max_new_tokens_limit,
 )
 from cbcore.scheduling.sampling_params import SamplingParams
@@ -143,7 +143,7 @@ class EngineCore:
         try:
             fields = RequestFields(priority=priority, client_id=client_id, deadline_s=deadline_s, attrs=attrs)
         except ValidationError as exc:
-            raise RequestError(f"request {request_id!r}: {'; '.join(validation_problems(exc))}") from None
+            raise RequestError(f"request {request_id!r}: {field_problems(exc)}") from None
         if arrival_time is not None and (isinstance(arrival_time, bool) or not isinstance(arrival_time, int | float)):
             raise RequestError(f"request {request_id!r}: arrival_time must be a number, got {arrival_time!r}")
         if request_id in self._live:

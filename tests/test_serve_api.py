@@ -58,6 +58,11 @@ def model_name(client):
     return client.models.list().data[0].id
 
 
+def text_of(tok, tokens: list[int]) -> str:
+    """The text the server sends for ``tokens``: their decoding, less a character cut off at the end."""
+    return tok.decode(tokens, skip_special_tokens=True).rstrip("\ufffd")
+
+
 def chat_ids(tok, text: str) -> list[int]:
     messages = [{"role": "user", "content": text}]
     return list(
@@ -73,7 +78,7 @@ def test_completions_equal_the_engine_and_hf_streamed_or_not(client, model_name,
         )
         choice = resp.choices[0]
         assert choice.token_ids == tokens
-        assert choice.text == tok.decode(tokens, skip_special_tokens=True)
+        assert choice.text == text_of(tok, tokens)
         assert choice.finish_reason == ("stop" if tokens[-1] == tok.eos_token_id else "length")
         assert resp.usage.prompt_tokens == len(tok.encode(prompt))
         assert resp.usage.completion_tokens == len(tokens)
@@ -120,7 +125,7 @@ def test_chat_equal_the_engine_and_hf_sync_and_async(tiny_server, client, model_
         )
         assert resp.choices[0].token_ids == tokens
         assert resp.choices[0].message.role == "assistant"
-        assert resp.choices[0].message.content == tok.decode(tokens, skip_special_tokens=True)
+        assert resp.choices[0].message.content == text_of(tok, tokens)
         assert resp.usage.prompt_tokens == len(chat_ids(tok, prompt))
         assert resp.usage.completion_tokens == len(tokens)
 
@@ -151,7 +156,7 @@ def test_chat_equal_the_engine_and_hf_sync_and_async(tiny_server, client, model_
 
     for (text, ids, finish), tokens in zip(asyncio.run(all_at_once()), want, strict=True):
         assert ids == tokens
-        assert text == tok.decode(tokens, skip_special_tokens=True)
+        assert text == text_of(tok, tokens)
         assert finish in ("stop", "length")
 
 
@@ -245,7 +250,6 @@ BAD_COMPLETIONS = [
     ({"prompt": "a " * 600}, "prompt"),
     ({"model": "gpt-4"}, "model"),
     ({"seed": -1}, "seed"),
-    ({"top_p": 0.5, "temperature": 0}, "temperature"),
     ({"stop": [""]}, "stop"),
     ({"priority": "high"}, "priority"),
     ({"user": ""}, "user"),

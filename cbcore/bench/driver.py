@@ -86,9 +86,7 @@ def warm_up(engine: Engine, token_ids: Seq[Seq[int]]) -> None:
     """
     prompts = [list(ids[:8]) for ids in token_ids[:2]]
     engine.generate(prompts, SamplingParams(max_new_tokens=4, ignore_eos=True))
-    reset = getattr(engine.scheduler.blocks, "reset_prefix_cache", None)
-    if reset is not None:
-        reset()
+    engine.reset_prefix_cache()
 
 
 def run_engine(

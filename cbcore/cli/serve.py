@@ -60,6 +60,26 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     parser.add_argument(
         "--protect-metrics", action="store_true", help="require the API key on /health and /metrics too"
     )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        metavar="N",
+        help="largest request body, refused with 413 while it is read "
+        "(serve.max_body_bytes; default: 1 MiB or 32 bytes per context token if more)",
+    )
+    parser.add_argument(
+        "--header-timeout",
+        type=float,
+        metavar="S",
+        help="close a connection whose request headers are not complete within S seconds "
+        "(serve.header_timeout_s, default 10)",
+    )
+    parser.add_argument(
+        "--body-timeout",
+        type=float,
+        metavar="S",
+        help="408 when a request body has not all arrived within S seconds (serve.body_timeout_s, default 30)",
+    )
     parser.add_argument("--threads", type=int, metavar="N", help="torch CPU threads (per replica with --replicas)")
     add_engine_flags(parser)
     scale_flags(parser)
@@ -81,6 +101,9 @@ def run(args: argparse.Namespace) -> int:
         "max_waiting": args.max_waiting,
         "shutdown_grace_s": args.shutdown_grace,
         "protect_metrics": args.protect_metrics or None,
+        "max_body_bytes": args.max_body_bytes,
+        "header_timeout_s": args.header_timeout,
+        "body_timeout_s": args.body_timeout,
     }
     extra = {"serve": {k: v for k, v in serve_flags.items() if v is not None}}
     config = build_config(args, extra)
@@ -117,5 +140,12 @@ def run(args: argparse.Namespace) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         print(f"cb: warning: serving on {args.host} without an API key", file=sys.stderr)
     return serve(
-        app, app.state.cb.loop, args.host, args.port, config.serve.shutdown_grace_s, args.log_level, banner
+        app,
+        app.state.cb.loop,
+        args.host,
+        args.port,
+        config.serve.shutdown_grace_s,
+        args.log_level,
+        banner,
+        config.serve.header_timeout_s,
     )

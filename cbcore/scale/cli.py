@@ -28,6 +28,12 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         " e.g. two policy mixes, share one cluster",
     )
     group.add_argument(
+        "--accept-ray-exposure",
+        action="store_true",
+        help="allow a non-loopback --host or a cluster's --ray-address: Ray's own listeners are then reachable"
+        " beyond this machine (docs/scale-out.md, 'What listens where')",
+    )
+    group.add_argument(
         "--load-interval", type=float, default=0.5, metavar="S", help="seconds between load reports the router reads (default 0.5)"
     )
 
@@ -46,6 +52,14 @@ def run(args: argparse.Namespace, config: EngineConfig, model_name: str, api_key
         raise CLIError(f"--replicas needs the ray extra ({exc.name} is missing): pip install 'cbcore[ray]'") from None
     from cbcore.scale.app import ScaleOptions
     from cbcore.scale.app import run as run_app
+    from cbcore.scale.listeners import exposure
+
+    exposed = exposure(args.host, args.ray_address)
+    if exposed and not args.accept_ray_exposure:
+        raise CLIError(
+            f"--replicas with these addresses listens beyond loopback: {exposed}. "
+            "Pass --accept-ray-exposure once the network is protected (docs/scale-out.md, 'What listens where')"
+        )
 
     try:
         options = ScaleOptions(

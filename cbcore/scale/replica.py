@@ -46,7 +46,9 @@ class EngineReplica:
 
         from cbcore.engine import Engine
         from cbcore.models.loading import load_model_and_tokenizer
+        from cbcore.scale.listeners import bind_replica_grpc_to_node_ip
 
+        bind_replica_grpc_to_node_ip()  # before Serve starts this replica's gRPC server on [::]
         if threads is not None:
             import torch
 

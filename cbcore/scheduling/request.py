@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Annotated, Any
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from cbcore.scheduling.sampling_params import SamplingParams
 
@@ -118,6 +118,16 @@ class RequestFields(BaseModel):
     attrs: Annotated[Any, BeforeValidator(freeze_attrs)] = Field(
         default_factory=lambda: EMPTY_ATTRS, description="Free-form JSON attributes policies may read (stored read-only)."
     )
+
+
+def field_problems(exc: ValidationError) -> str:
+    """A :class:`RequestFields` error on one line: the field's own message (which names it), else ``field: why``."""
+    out = []
+    for err in exc.errors():
+        field = ".".join(str(p) for p in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        out.append(msg if msg.startswith(field) else f"{field}: {msg}")
+    return "; ".join(out)
 
 
 def check_request_id(value: object) -> str:

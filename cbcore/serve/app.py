@@ -3,44 +3,21 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI, Response
 from fastapi.responses import JSONResponse
 
 from cbcore.config import ServeConfig
 from cbcore.engine import Engine
 from cbcore.serve import errors
-from cbcore.serve.auth import require_key
 from cbcore.serve.convert import Limits
 from cbcore.serve.engine_loop import EngineLoop
-from cbcore.serve.errors import ApiError
+from cbcore.serve.guard import RequestGuard
 from cbcore.serve.metrics import CONTENT_TYPE, ServerMetrics, policy_label
-
-
-@dataclass
-class ServerState:
-    loop: EngineLoop
-    tokenizer: Any
-    model_name: str
-    limits: Limits
-    settings: ServeConfig
-    metrics: ServerMetrics
-    api_key: str | None = None
-    started: int = field(default_factory=lambda: int(time.time()))
-
-    def admit(self) -> None:
-        """503 (with Retry-After) while shutting down or while the waiting queue is full."""
-        retry = {"Retry-After": str(self.settings.retry_after_s)}
-        if self.loop.draining:
-            raise ApiError(503, "the server is shutting down", headers=retry)
-        limit = self.settings.max_waiting
-        if limit is not None and self.loop.num_waiting >= limit:
-            raise ApiError(503, f"the server is full: {limit} requests are already waiting", headers=retry)
+from cbcore.serve.state import ServerState
 
 
 def build_app(
@@ -67,19 +44,23 @@ def make_app(state: ServerState) -> FastAPI:
             yield
         finally:
             loop.stop()
+            state.prompts.close()
 
     app = FastAPI(title="cbcore", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.cb = state
     errors.install(app)
     app.include_router(api)
-
-    async def guard(request: Request) -> None:
-        if settings.protect_metrics:
-            await require_key(request)
+    # The key and the body limit, before any route reads or parses the body.
+    app.add_middleware(
+        RequestGuard,
+        api_key=state.api_key,
+        protect_metrics=settings.protect_metrics,
+        max_body_bytes=state.max_body_bytes,
+        body_timeout_s=settings.body_timeout_s,
+    )
 
     @app.get("/health")
-    async def health(request: Request) -> JSONResponse:
-        await guard(request)
+    async def health() -> JSONResponse:
         if not loop.alive:
             return JSONResponse({"status": "engine thread stopped"}, status_code=503)
         if loop.draining:
@@ -87,8 +68,7 @@ def make_app(state: ServerState) -> FastAPI:
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
-    async def prometheus(request: Request) -> Response:
-        await guard(request)
+    async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     return app

@@ -13,7 +13,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from cbcore.scheduling.sampling_params import SamplingParams
+from cbcore.scheduling.request import max_new_tokens_limit
+from cbcore.scheduling.sampling_params import GREEDY_BELOW, SamplingParams
 from cbcore.serve.errors import ApiError
 from cbcore.serve.protocol import ChatRequest, CompletionRequest
 
@@ -24,37 +25,32 @@ class Limits:
 
     vocab_size: int
     max_model_len: int | None
-    block_size: int
-    num_blocks: int
-
-    @property
-    def kv_tokens(self) -> int:
-        return self.block_size * self.num_blocks
+    kv_tokens: int
 
     @classmethod
     def of(cls, engine: Any) -> Limits:
-        blocks = engine.scheduler.blocks
-        return cls(engine.vocab_size, engine.max_model_len, blocks.block_size, blocks.num_blocks)
+        return cls(engine.vocab_size, engine.max_model_len, engine.kv_capacity_tokens)
 
 
-def completion_prompt(body: CompletionRequest, tokenizer: Any) -> list[int]:
+def single_prompt(body: CompletionRequest) -> str | list[int]:
+    """The one prompt of a completions body (a list of one prompt is that prompt)."""
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         if len(prompt) != 1:
             raise ApiError(400, f"{len(prompt)} prompts in one request are not supported; send one", "prompt")
         prompt = prompt[0]
-    if isinstance(prompt, str):
-        return list(tokenizer.encode(prompt))
-    return list(prompt)
+    return prompt  # type: ignore[return-value]
 
 
-def chat_prompt(body: ChatRequest, tokenizer: Any) -> list[int]:
+def chat_messages(body: ChatRequest, tokenizer: Any) -> list[dict[str, Any]]:
+    """The messages as the chat template reads them (content as one string)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ApiError(400, "this model has no chat template; use /v1/completions", "messages")
-    try:
-        messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in body.messages]
-    except ValueError as exc:
-        raise ApiError(400, str(exc), "messages") from None
+    return [{**m.model_dump(exclude_none=True), "content": m.text()} for m in body.messages]
+
+
+def render_chat(messages: list[dict[str, Any]], tokenizer: Any) -> list[int]:
+    """Template and tokenise (slow for long conversations: the server runs it on a worker thread)."""
     try:
         ids = tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=True, return_dict=False
@@ -76,17 +72,19 @@ def check_prompt(ids: list[int], limits: Limits, field: str) -> None:
             f"the prompt has {len(ids)} tokens; this model's context is {limits.max_model_len} tokens",
             field,
         )
-    if -(-len(ids) // limits.block_size) > limits.num_blocks:
+    if len(ids) > limits.kv_tokens:
         raise ApiError(
             400, f"the prompt has {len(ids)} tokens; the KV cache holds {limits.kv_tokens} in all", field
         )
 
 
 def max_new_tokens(requested: int | None, prompt_len: int, limits: Limits, field: str) -> int:
-    """``requested`` if it can fit; by default whatever room the context and the KV cache leave."""
-    room = limits.kv_tokens - prompt_len
-    if limits.max_model_len is not None:
-        room = min(room, limits.max_model_len - prompt_len)
+    """``requested`` if it can fit; by default whatever room the context and the KV cache leave.
+
+    The room is the engine's own rule (:func:`cbcore.scheduling.request.max_new_tokens_limit`), so the
+    server never accepts what the engine would refuse, nor refuses what it would run.
+    """
+    room = max_new_tokens_limit(prompt_len, limits.max_model_len, limits.kv_tokens)
     if requested is None:
         return max(room, 1)
     if requested > room:
@@ -100,11 +98,12 @@ def max_new_tokens(requested: int | None, prompt_len: int, limits: Limits, field
 
 
 def sampling_params(body: CompletionRequest | ChatRequest, max_tokens: int) -> SamplingParams:
+    greedy = body.temperature < GREEDY_BELOW  # top_p and top_k mean nothing then (OpenAI and vLLM accept them)
     values = {
         "max_new_tokens": max_tokens,
         "temperature": body.temperature,
-        "top_p": body.top_p,
-        "top_k": max(body.top_k, 0),
+        "top_p": 1.0 if greedy else body.top_p,
+        "top_k": 0 if greedy else max(body.top_k, 0),
         "seed": body.seed,
         "ignore_eos": body.ignore_eos,
     }

@@ -12,11 +12,15 @@ from starlette.exceptions import HTTPException
 from cbcore.serve.protocol import ErrorBody, ErrorResponse
 
 ERROR_TYPES = {
-    400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
     503: "service_unavailable",
 }
+
+
+def error_type(status: int) -> str:
+    """OpenAI's error ``type`` for a status: any other 4xx is the client's request, 5xx the server."""
+    return ERROR_TYPES.get(status, "invalid_request_error" if 400 <= status < 500 else "server_error")
 
 
 class ApiError(Exception):
@@ -30,7 +34,7 @@ class ApiError(Exception):
         self.headers = headers
 
     def body(self) -> dict[str, Any]:
-        kind = ERROR_TYPES.get(self.status, "server_error")
+        kind = error_type(self.status)
         return ErrorResponse(
             error=ErrorBody(message=self.message, type=kind, param=self.param, code=self.status)
         ).model_dump()
@@ -66,4 +70,16 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException) -> JSONResponse:
-        return ApiError(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None)).response()
+        message = str(exc.detail)
+        if exc.status_code == 405:
+            allowed = (exc.headers or {}).get("Allow", "")
+            message = f"{request.method} is not allowed on {request.url.path}" + (f"; use {allowed}" if allowed else "")
+        elif exc.status_code == 404:
+            message = f"no such route: {request.method} {request.url.path}"
+        return ApiError(exc.status_code, message, headers=getattr(exc, "headers", None)).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # A bug, not the client's fault: answered in the API's own shape; Starlette re-raises it
+        # afterwards, so the server logs its traceback.
+        return ApiError(500, f"internal error: {type(exc).__name__}").response()

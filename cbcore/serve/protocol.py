@@ -17,9 +17,26 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationInfo, field_validator, model_validator
 
 UNSUPPORTED_MSG = "is not supported by this server"
+#: Caps on ``stop``: each string is matched on every token's text, and its automaton is built per list.
+MAX_STOP_STRINGS = 32
+MAX_STOP_CHARS = 256
+
+
+def check_unicode(text: str) -> str:
+    """Refuse a lone UTF-16 surrogate (JSON allows ``"\\ud800"``; no tokenizer can encode it)."""
+    if text.isascii():
+        return text
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"contains a lone surrogate U+{ord(text[exc.start]):04X} at character {exc.start}, "
+            "which is not valid Unicode (a surrogate must be half of a pair)"
+        ) from None
+    return text
 
 
 class StreamOptions(BaseModel):
@@ -61,9 +78,22 @@ class _Common(BaseModel):
         if value is None:
             return None
         stops = [value] if isinstance(value, str) else value
-        if any(not s for s in stops):
-            raise ValueError("stop strings must be non-empty")
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"{len(stops)} stop strings; at most {MAX_STOP_STRINGS} are accepted")
+        for s in stops:
+            if not s:
+                raise ValueError("stop strings must be non-empty")
+            if len(s) > MAX_STOP_CHARS:
+                raise ValueError(f"a stop string has {len(s)} characters; at most {MAX_STOP_CHARS} are accepted")
+            check_unicode(s)
         return stops
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if value is not None and not info.data.get("stream", False):
+            raise ValueError("only allowed when stream is true (as OpenAI's API has it)")
+        return value
 
     @field_validator("n")
     @classmethod
@@ -103,6 +133,19 @@ class CompletionRequest(_Common):
     best_of: int | None = None
     suffix: str | None = None
 
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_text(cls, value: str | list[int] | list[str] | list[list[int]]) -> Any:
+        for text in [value] if isinstance(value, str) else value:
+            if isinstance(text, str):
+                check_unicode(text)
+        return value
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _null_is_the_default(cls, value: int | None) -> int:
+        return 16 if value is None else value  # OpenAI: null means the default, 16
+
     @field_validator("echo")
     @classmethod
     def _no_echo(cls, value: bool) -> bool:
@@ -138,18 +181,34 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[dict[str, Any]] | None = None
 
+    @model_validator(mode="after")
+    def _check_content(self) -> ChatMessage:
+        check_unicode(self.role)
+        if isinstance(self.content, list):
+            for i, part in enumerate(self.content):
+                kind = part.get("type")
+                if kind != "text":
+                    raise ValueError(f"content[{i}]: a part of type {kind!r} {UNSUPPORTED_MSG} (text only)")
+                if not isinstance(part.get("text"), str):
+                    raise ValueError(f"content[{i}]: a 'text' part needs a string field 'text'")
+                check_unicode(part["text"])
+        elif isinstance(self.content, str):
+            check_unicode(self.content)
+        for key, value in (self.model_extra or {}).items():
+            if isinstance(value, str):
+                try:
+                    check_unicode(value)
+                except ValueError as exc:
+                    raise ValueError(f"{key}: {exc}") from None
+        return self
+
     def text(self) -> str:
-        """The message's text; content parts other than text are refused."""
+        """The message's text (content parts were checked to be text when the body was parsed)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError(f"content part of type {part.get('type')!r} {UNSUPPORTED_MSG} (text only)")
-            parts.append(part["text"])
-        return "".join(parts)
+        return "".join(part["text"] for part in self.content)
 
 
 class ChatRequest(_Common):

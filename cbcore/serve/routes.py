@@ -1,7 +1,8 @@
 """The endpoints: completions and chat (streamed or not), models, health, metrics.
 
-A request is validated and tokenised here, handed to the engine thread, and
-its deltas are read from its queue as each step ends: streamed as
+A request is validated here, tokenised on a worker thread
+(:mod:`cbcore.serve.prompts`), handed to the engine thread, and its deltas
+are read from its queue as each step ends: streamed as
 server-sent events, or gathered for a plain response. Whatever ends the
 handler early (client gone, stop string matched, server shutting down), the
 request is aborted in the engine so its KV blocks are freed before the next
@@ -14,15 +15,13 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
 
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 
 from cbcore.outputs import RequestOutput
 from cbcore.serve import convert
-from cbcore.serve.auth import require_key
 from cbcore.serve.engine_loop import Failed, Handle, Submission
 from cbcore.serve.errors import ApiError
 from cbcore.serve.protocol import (
@@ -41,12 +40,10 @@ from cbcore.serve.protocol import (
     ModelList,
     Usage,
 )
+from cbcore.serve.state import ServerState
 from cbcore.serve.text import TextDelta, TextStream
 
-if TYPE_CHECKING:
-    from cbcore.serve.app import ServerState
-
-api = APIRouter(prefix="/v1", dependencies=[Depends(require_key)])
+api = APIRouter(prefix="/v1")  # the API key is checked before the body is read: cbcore.serve.guard
 DISCONNECT_POLL_S = 0.5
 
 
@@ -96,15 +93,19 @@ class Run:
             self.state.loop.abort(self.handle.request_id)
 
 
+def check_model(state: ServerState, body: ChatRequest | CompletionRequest) -> None:
+    """First, as it costs nothing: a request for another model is not worth tokenising."""
+    if body.model != state.model_name:
+        raise ApiError(
+            400, f"model {body.model!r} is not served here; this server serves {state.model_name!r}", "model"
+        )
+
+
 async def start(
     request: Request, body: ChatRequest | CompletionRequest, prompt_ids: list[int], field: str
 ) -> Run:
     """Validate, admit (or 503), submit, and wait for the engine to accept (or 400)."""
     state: ServerState = request.app.state.cb
-    if body.model != state.model_name:
-        raise ApiError(
-            400, f"model {body.model!r} is not served here; this server serves {state.model_name!r}", "model"
-        )
     convert.check_prompt(prompt_ids, state.limits, field)
     requested = (
         body.max_completion_tokens or body.max_tokens if isinstance(body, ChatRequest) else body.max_tokens
@@ -175,9 +176,8 @@ async def gather(request: Request, run: Run) -> tuple[str, list[int], str]:
             await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
             if not task.done() and await request.is_disconnected():
                 task.cancel()
-                break
-        if task.cancelled():
-            raise ApiError(499, "the client closed the connection")
+                await asyncio.wait({task})  # a cancelled task is done only once it has run its cancellation
+                raise ApiError(499, "the client closed the connection")
         task.result()
     except RequestFailed as exc:
         raise ApiError(exc.failed.status, exc.failed.message) from None
@@ -194,7 +194,8 @@ async def gather(request: Request, run: Run) -> tuple[str, list[int], str]:
 @api.post("/completions", response_model=None)
 async def completions(body: CompletionRequest, request: Request) -> Response:
     state: ServerState = request.app.state.cb
-    prompt_ids = convert.completion_prompt(body, state.tokenizer)
+    check_model(state, body)
+    prompt_ids = await state.prompts.completion(body)
     run = await start(request, body, prompt_ids, "prompt")
     rid, created, tokens = run.handle.request_id, int(time.time()), body.return_token_ids
     if body.stream:
@@ -236,7 +237,8 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 @api.post("/chat/completions", response_model=None)
 async def chat_completions(body: ChatRequest, request: Request) -> Response:
     state: ServerState = request.app.state.cb
-    prompt_ids = convert.chat_prompt(body, state.tokenizer)
+    check_model(state, body)
+    prompt_ids = await state.prompts.chat(body)
     run = await start(request, body, prompt_ids, "messages")
     rid, created, tokens = run.handle.request_id, int(time.time()), body.return_token_ids
     if body.stream:

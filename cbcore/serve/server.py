@@ -17,6 +17,7 @@ from typing import Any
 import uvicorn
 
 from cbcore.log import get_logger
+from cbcore.serve.connection import protocol_with_header_timeout
 from cbcore.serve.engine_loop import EngineLoop
 
 log = get_logger(__name__)
@@ -49,13 +50,21 @@ class Server(uvicorn.Server):
 
 
 def serve(
-    app: Any, loop: EngineLoop, host: str, port: int, grace_s: float, log_level: str, banner: str
+    app: Any,
+    loop: EngineLoop,
+    host: str,
+    port: int,
+    grace_s: float,
+    log_level: str,
+    banner: str,
+    header_timeout_s: float = 10.0,
 ) -> int:
     """Serve until a signal; returns the exit code (0 after a graceful shutdown)."""
     config = uvicorn.Config(
         app,
         host=host,
         port=port,
+        http=protocol_with_header_timeout(header_timeout_s),
         log_level=log_level,
         access_log=log_level in ("debug", "info"),
         timeout_graceful_shutdown=int(grace_s) + 5,  # a backstop: the engine loop aborts at grace_s

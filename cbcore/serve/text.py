@@ -3,7 +3,13 @@
 Stop strings are matched on decoded text, as OpenAI does, so a stop string
 split across tokens (or inside one token) still ends the request, and the
 stop string itself is never emitted. Text that could be the beginning of a
-stop string is held back until the next token says whether it is one.
+stop string is held back until the next token says whether it is one. The
+matching (:mod:`cbcore.serve.stops`) reads each new character once, so a
+token costs the same whatever the number of stop strings.
+
+A request cut by ``max_tokens`` (or ended by EOS) in the middle of a
+multi-byte character ends its text before that character: half a character
+would decode to U+FFFD, which the model never wrote. Its tokens still count.
 """
 
 from __future__ import annotations
@@ -12,7 +18,8 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any
 
-from cbcore.models.detokenize import IncrementalDetokenizer
+from cbcore.models.detokenize import REPLACEMENT, IncrementalDetokenizer
+from cbcore.serve.stops import StopMatcher
 
 
 @dataclass(frozen=True)
@@ -27,9 +34,8 @@ class TextDelta:
 class TextStream:
     def __init__(self, tokenizer: Any, stop: Seq[str] | None = None) -> None:
         self.detok = IncrementalDetokenizer(tokenizer)
-        self.stop = list(stop or ())
-        self.text = ""  # everything decoded so far (emitted and held back)
-        self.emitted = 0  # len of the text already handed out
+        self.matcher = StopMatcher(tuple(stop)) if stop else None
+        self.pending = ""  # decoded, not yet handed out: a tail that may begin a stop string
         self.num_tokens = 0  # tokens that count towards the output (up to the stop match)
         self.finished = False
 
@@ -39,34 +45,24 @@ class TextStream:
             raise RuntimeError("the text stream has already finished")
         piece = self.detok.push(token_ids)
         if finish_reason is not None:
-            piece += self.detok.flush()
-        self.text += piece
+            # What the detokenizer still holds is an incomplete character: never emitted half.
+            piece += self.detok.flush().rstrip(REPLACEMENT)
         self.num_tokens += len(token_ids)
-        cut = self._find_stop()
-        if cut is not None:
-            self.text = self.text[:cut]
-            return self._emit(len(self.text), token_ids, "stop")
+        if self.matcher is not None:
+            hit = self.matcher.feed(piece)
+            if hit is not None:
+                end, length = hit
+                text = self.pending + piece[:end]
+                return self._end(text[: len(text) - length], token_ids, "stop")
+        text = self.pending + piece
         if finish_reason is not None:
-            return self._emit(len(self.text), token_ids, finish_reason)
-        return self._emit(len(self.text) - self._held_back(), token_ids, None)
+            return self._end(text, token_ids, finish_reason)
+        held = self.matcher.held if self.matcher is not None else 0
+        cut = len(text) - held
+        self.pending = text[cut:]
+        return TextDelta(text[:cut], list(token_ids), None)
 
-    def _emit(self, upto: int, token_ids: list[int], finish_reason: str | None) -> TextDelta:
-        out = self.text[self.emitted : upto]
-        self.emitted = upto
-        self.finished = finish_reason is not None
-        return TextDelta(out, list(token_ids), finish_reason)
-
-    def _find_stop(self) -> int | None:
-        """Where the earliest stop string starts, searching only text not yet handed out."""
-        hits = [i for s in self.stop if (i := self.text.find(s, self.emitted)) >= 0]
-        return min(hits) if hits else None
-
-    def _held_back(self) -> int:
-        """Length of the longest tail of the pending text that begins some stop string."""
-        pending = self.text[self.emitted :]
-        longest = min(len(pending), max((len(s) - 1 for s in self.stop), default=0))
-        for k in range(longest, 0, -1):
-            tail = pending[-k:]
-            if any(s.startswith(tail) for s in self.stop):
-                return k
-        return 0
+    def _end(self, text: str, token_ids: list[int], finish_reason: str) -> TextDelta:
+        self.pending = ""
+        self.finished = True
+        return TextDelta(text, list(token_ids), finish_reason)

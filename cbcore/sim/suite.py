@@ -65,7 +65,7 @@ def simulate_suite(
         run.info = {
             "scheduler": config.scheduler.model_dump(exclude_defaults=True) or "default",
             "max_num_seqs": budget_limit(config, "max_num_seqs"),
-            "kv_blocks": engines[0].engine.scheduler.blocks.num_blocks,
+            "kv_blocks": engines[0].engine.load().kv_blocks_total,
         }
         if placement is not None:
             run.info |= {

@@ -1,16 +1,17 @@
 """Every name this package takes from cbcore, in one place.
 
-cbcore's core is being reorganised (modules move, the scheduling API may be
-renamed); keeping the imports here makes following it a one-file change. The
-rest of the package imports cbcore only through this module.
+The rest of the package imports cbcore only through this module, so a move
+inside cbcore's core is a one-file change here. The policies are asked
+through cbcore's own :class:`PolicySet` (each answer checked, each error named
+as cbcore's engine names it) and requests are checked by cbcore's own
+:class:`RequestFields`: a plugin behaves, and misbehaves, the same in both
+engines because it meets the same code.
 """
 
 from __future__ import annotations
 
 from cbcore.config import ConfigError, EngineConfig, format_validation_error
 from cbcore.plugins import PluginError, get_registry
-from cbcore.scheduling.blame import blame, describe
-from cbcore.scheduling.plan_builder import OrderedOnDemand
 from cbcore.scheduling.policy import (
     BudgetPolicy,
     Policy,
@@ -22,21 +23,16 @@ from cbcore.scheduling.policy import (
     StepLimits,
     StepResult,
 )
-from cbcore.scheduling.request_fields import (
-    EMPTY_ATTRS,
-    FieldError,
-    check_client_id,
-    check_deadline,
-    freeze_attrs,
-)
+from cbcore.scheduling.policy_set import SLOTS, PolicySet
+from cbcore.scheduling.request import EMPTY_ATTRS, RequestFields, field_problems
 from cbcore.scheduling.sampling_params import SamplingParams
 from cbcore.scheduling.scheduler import SchedulerError
+from cbcore.scheduling.step import named
+from cbcore.scheduling.step_planner import OrderedOnDemand
 
 # The built-in prefill policies the adapter translates into vLLM's own knobs.
 from cbcore.policies.chunked_prefill import ChunkedPrefill  # isort: skip
 from cbcore.policies.whole_prompt import WholePrompt  # isort: skip
-
-SLOTS = ("queue", "budget", "prefill", "preemption")
 
 __all__ = [
     "EMPTY_ATTRS",
@@ -45,13 +41,14 @@ __all__ = [
     "ChunkedPrefill",
     "ConfigError",
     "EngineConfig",
-    "FieldError",
     "OrderedOnDemand",
     "PluginError",
     "Policy",
+    "PolicySet",
     "PreemptionPolicy",
     "PrefillPolicy",
     "QueuePolicy",
+    "RequestFields",
     "SamplingParams",
     "SchedulerError",
     "SchedulerState",
@@ -59,11 +56,8 @@ __all__ = [
     "StepLimits",
     "StepResult",
     "WholePrompt",
-    "blame",
-    "check_client_id",
-    "check_deadline",
-    "describe",
+    "field_problems",
     "format_validation_error",
-    "freeze_attrs",
     "get_registry",
+    "named",
 ]

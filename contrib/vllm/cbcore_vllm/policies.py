@@ -8,39 +8,20 @@ honoured is translated: the prefill policy into vLLM's own chunking knobs.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from cbcore_vllm._cbcore import (
     SLOTS,
-    BudgetPolicy,
     ChunkedPrefill,
     ConfigError,
     EngineConfig,
-    Policy,
-    PreemptionPolicy,
-    PrefillPolicy,
-    QueuePolicy,
+    PolicySet,
     WholePrompt,
-    describe,
     get_registry,
 )
 
 
 class RefusedPolicy(ConfigError):
     """A configured policy asks for something vLLM's scheduler cannot do; the message says which and why."""
-
-
-@dataclass(frozen=True)
-class Policies:
-    queue: QueuePolicy
-    budget: BudgetPolicy
-    prefill: PrefillPolicy
-    preemption: PreemptionPolicy
-    names: dict[int, str]  # id(policy) -> "queue policy 'fcfs' (built-in)", as cbcore's errors name them
-
-    @property
-    def all(self) -> tuple[Policy, ...]:
-        return (self.queue, self.budget, self.prefill, self.preemption)
 
 
 @dataclass(frozen=True)
@@ -51,20 +32,15 @@ class Chunking:
     long_prefill_token_threshold: int  # 0: no cap beyond the step's token budget
 
 
-def build(config: EngineConfig) -> Policies:
+def build(config: EngineConfig) -> PolicySet:
     """One instance per slot, made by cbcore's registry (params validated by each plugin's model)."""
     registry = get_registry(tuple(config.plugins))
-    made: dict[str, Any] = {}
-    names: dict[int, str] = {}
-    for slot in SLOTS:
-        spec = getattr(config.scheduler, slot)
-        policy = registry.create(slot, spec.name, spec.params, f"scheduler.{slot}")
-        made[slot] = policy
-        names[id(policy)] = describe(policy, registry.get(slot, spec.name).origin)
-    return Policies(**made, names=names)
+    specs = {slot: getattr(config.scheduler, slot) for slot in SLOTS}
+    made = {slot: registry.create(slot, s.name, s.params, f"scheduler.{slot}") for slot, s in specs.items()}
+    return PolicySet(**made, origins={slot: registry.get(slot, s.name).origin for slot, s in specs.items()})
 
 
-def refuse_unsupported(p: Policies) -> None:
+def refuse_unsupported(p: PolicySet) -> None:
     """Raise :class:`RefusedPolicy` for anything vLLM's scheduler cannot honour exactly."""
     q, pre = p.names[id(p.queue)], p.names[id(p.preemption)]
     if p.queue.preempts_running:
@@ -85,7 +61,7 @@ def refuse_unsupported(p: Policies) -> None:
         )
 
 
-def chunking(p: Policies, max_num_batched_tokens: int, max_model_len: int) -> Chunking:
+def chunking(p: PolicySet, max_num_batched_tokens: int, max_model_len: int) -> Chunking:
     """vLLM's chunking for the prefill policy; RefusedPolicy for one it cannot express.
 
     vLLM sizes each prefill inline (pending tokens, capped by one per-step

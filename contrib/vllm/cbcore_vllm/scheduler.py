@@ -37,9 +37,9 @@ from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 
-from cbcore_vllm._cbcore import ConfigError, OrderedOnDemand, SchedulerState, StepLimits, StepResult
+from cbcore_vllm._cbcore import ConfigError, OrderedOnDemand, SchedulerState, StepResult
 from cbcore_vllm.config import TESTED_VLLM, StepClock, parse
-from cbcore_vllm.guard import Guard, not_a_permutation
+from cbcore_vllm.guard import Guard
 from cbcore_vllm.policies import build, chunking, refuse_unsupported
 from cbcore_vllm.queue import PolicyRequestQueue
 from cbcore_vllm.refusal import Refusals
@@ -95,7 +95,7 @@ class Scheduler(VllmScheduler):
         self._wrap_allocate_slots()
         log.info(
             "cbcore policies decide in vLLM's scheduler",
-            policies=[self._policies.names[id(p)] for p in self._policies.all],
+            policies=[self._policies.name_of(p) for p in self._policies],
             chunked_prefill=chunks.enable_chunked_prefill,
             long_prefill_token_threshold=chunks.long_prefill_token_threshold,
             clock="wall" if self._clock_step_s is None else f"{self._clock_step_s} s per step",
@@ -111,11 +111,7 @@ class Scheduler(VllmScheduler):
         if queue.fixed_keys:
             return sorted(requests, key=self._keys.__getitem__)
         views = [self._views[r.request_id] for r in requests]
-        ordered = self._guard.call(queue.order, views, self._now)
-        problem = not_a_permutation(ordered, views)
-        if problem is not None:
-            self._guard.broke(queue, "order() returns each given sequence exactly once", problem)
-        return [v.request for v in ordered]
+        return [v.request for v in self._guard.call(self._policies.order, views, self._now)]
 
     def _admits(self, request: Request) -> bool:
         view = self._views[request.request_id]
@@ -123,16 +119,7 @@ class Scheduler(VllmScheduler):
 
     def _choose_victim(self, candidates: list[Request]) -> Request:
         views = [self._views[r.request_id] for r in candidates]
-        pre = self._policies.preemption
-        victim = self._guard.call(pre.choose_victim, views, self._policies.queue, self._now)
-        for view in views:
-            if view is victim:
-                return view.request
-        self._guard.broke(
-            pre,
-            "choose_victim() returns one of the candidates",
-            f"it chose {getattr(victim, 'request_id', victim)!r}, which is not among the candidates",
-        )
+        return self._guard.call(self._policies.victim, views, self._now).request
 
     def _wrap_allocate_slots(self) -> None:
         """Note which request asks for blocks: the running loop's victim candidates start there."""
@@ -160,15 +147,7 @@ class Scheduler(VllmScheduler):
             kv=self._kv_view,
         )
         budget = self._policies.budget
-        limits = self._guard.call(budget.limits, self._state)
-        if not (
-            isinstance(limits, StepLimits)
-            and type(limits.max_num_seqs) is int
-            and type(limits.max_num_tokens) is int
-            and limits.max_num_seqs >= 1
-            and limits.max_num_tokens >= 1
-        ):
-            self._guard.broke(budget, "limits() returns StepLimits of two ints >= 1", f"got {limits!r}")
+        limits = self._guard.call(self._policies.limits, self._state)
         if not self._clamp_noted and (
             limits.max_num_tokens > self._vllm_max_tokens or limits.max_num_seqs > self._vllm_max_seqs
         ):
@@ -221,8 +200,7 @@ class Scheduler(VllmScheduler):
                 continue
             grew = view.request.num_output_tokens > before.get(rid, view.request.num_output_tokens)
             results.append(StepResult(seq=view, num_computed=n, new_token=view.request.output_token_ids[-1] if grew else None))
-        for policy in self._policies.all:
-            self._guard.call(policy.on_step_end, results, self._now)
+        self._guard.call(self._policies.step_ended, results, self._now)
         for view in finished:
             self._tell_finish(view)
         return outputs
@@ -239,30 +217,24 @@ class Scheduler(VllmScheduler):
         except RequestFieldError as exc:
             self._refusals.refuse(self, request, str(exc))
             return
-        told = []
-        try:
-            for policy in self._policies.all:
-                told.append(policy)
-                policy.on_arrival(view, now)
-            if self._policies.queue.fixed_keys:
-                self._keys[request] = self._policies.queue.key(view, now)
-        except Exception as exc:  # as in cbcore: the request is not added; those told see it finish
-            err = self._guard.named(exc, request.request_id)
-            for policy in told:
-                try:
-                    policy.on_finish(view, now)
-                except Exception:
-                    log.warning("on_finish raised while undoing an arrival", policy=policy.name)
-            self._refusals.refuse(self, request, str(err))
+        try:  # as in cbcore: if a policy raises, the request is not added and those told see it finish
+            self._policies.arrived(view, now)
+            try:
+                if self._policies.queue.fixed_keys:
+                    self._keys[request] = self._policies.queue.key(view, now)
+            except Exception:
+                self._policies.unarrive(view, now)
+                raise
+        except Exception as exc:
+            self._refusals.refuse(self, request, str(self._guard.named(exc, request.request_id)))
             return
         self._views[request.request_id] = view
         super().add_request(request)
 
     def _preempt_request(self, request: Request, timestamp: float, drop_stale_output: bool = False) -> None:
         super()._preempt_request(request, timestamp, drop_stale_output)
-        view = self._views[request.request_id]
-        for policy in self._policies.all:
-            self._guard.call(policy.on_preempt, view, self._now, request_id=request.request_id)
+        self._guard.call(self._policies.preempted, self._views[request.request_id], self._now,
+                         request_id=request.request_id)  # fmt: skip
 
     def _free_request(self, request: Request, delay_free_blocks: bool = False) -> Any:
         result = super()._free_request(request, delay_free_blocks)
@@ -276,8 +248,7 @@ class Scheduler(VllmScheduler):
         return result
 
     def _tell_finish(self, view: RequestView) -> None:
-        for policy in self._policies.all:
-            self._guard.call(policy.on_finish, view, self._read_clock(), request_id=view.request_id)
+        self._guard.call(self._policies.finished, view, self._read_clock(), request_id=view.request_id)
 
     def get_num_unfinished_requests(self) -> int:
         # A refused request still needs one step to be reported finished (with an error).

@@ -14,18 +14,12 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from pydantic import ValidationError
 from vllm.sampling_params import SamplingParams as VllmSamplingParams
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.request import Request
 
-from cbcore_vllm._cbcore import (
-    EMPTY_ATTRS,
-    FieldError,
-    SamplingParams,
-    check_client_id,
-    check_deadline,
-    freeze_attrs,
-)
+from cbcore_vllm._cbcore import RequestFields, SamplingParams, field_problems
 
 # The keys of SamplingParams.extra_args (an OpenAI request's `vllm_xargs`) that reach policies.
 XARGS = ("client_id", "deadline_s", "attrs")
@@ -36,15 +30,17 @@ class RequestFieldError(ValueError):
 
 
 def policy_fields(params: VllmSamplingParams | None) -> tuple[str, float | None, Mapping[str, Any]]:
-    """(client_id, deadline_s, attrs) from ``vllm_xargs``, checked as cbcore checks ``add_request``."""
+    """(client_id, deadline_s, attrs) from ``vllm_xargs``, checked by cbcore's own ``RequestFields``."""
     extra = (params.extra_args if params is not None else None) or {}
     try:
-        client_id = check_client_id(extra["client_id"]) if "client_id" in extra else "default"
-        deadline_s = check_deadline(extra.get("deadline_s"))
-        attrs = freeze_attrs(_attrs_object(extra["attrs"])) if "attrs" in extra else EMPTY_ATTRS
-    except FieldError as exc:
-        raise RequestFieldError(f"vllm_xargs: {exc}") from None
-    return client_id, deadline_s, attrs
+        data = {key: extra[key] for key in XARGS if key in extra}
+        if "attrs" in data:
+            data["attrs"] = _attrs_object(data["attrs"])
+        fields = RequestFields(**data)
+    except ValueError as exc:  # a ValidationError is one too
+        detail = field_problems(exc) if isinstance(exc, ValidationError) else str(exc)
+        raise RequestFieldError(f"vllm_xargs: {detail}") from None
+    return fields.client_id, fields.deadline_s, fields.attrs
 
 
 def _attrs_object(value: Any) -> Any:
@@ -54,9 +50,9 @@ def _attrs_object(value: Any) -> Any:
     try:
         parsed = json.loads(value)
     except json.JSONDecodeError as exc:
-        raise FieldError(f"attrs must be a JSON object (or its JSON text), got unparsable text: {exc}") from None
+        raise ValueError(f"attrs must be a JSON object (or its JSON text), got unparsable text: {exc}") from None
     if not isinstance(parsed, dict):
-        raise FieldError(f"attrs must be a JSON object, got {type(parsed).__name__}")
+        raise ValueError(f"attrs must be a JSON object, got {type(parsed).__name__}")
     return parsed
 
 
