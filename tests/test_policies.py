@@ -206,14 +206,15 @@ def test_duplicate_request_ids_are_refused() -> None:
 
 @pytest.mark.parametrize("where", ["waiting", "running", "swapped"])
 def test_abort_frees_everything_wherever_the_request_is(where: str) -> None:
-    run = FakeRun(preemption=Swap(), num_blocks=6, host_blocks=8, budget=budget(max_seqs=1))
+    # Keys that may change (aging): the test raises a's priority value after it started.
+    queue = Priority(PriorityParams(aging_s=1e6))
+    run = FakeRun(queue, preemption=Swap(), num_blocks=6, host_blocks=8, budget=budget(max_seqs=1))
     a = run.add("a", 8, 30)
     if where != "waiting":
         run.step()
     if where == "swapped":
         run.add("urgent", 8, 2)
         a.priority = 5
-        run.sched.policies.queue = Priority()
         run.step()
         assert a.status is SequenceStatus.SWAPPED
     run.sched.abort("a")

@@ -13,8 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_helpers import PLUGIN, run_driver
+from vllm_helpers import PLUGIN, run_driver, tiny_dir  # noqa: F401  (tiny_dir is a fixture)
 from vllm_trace import run_cbcore, trace
+
+# Every test here starts vLLM (from .venv-vllm, `make vllm-setup`); they run in CI.
+pytestmark = pytest.mark.vllm
 
 BLOCK = 32
 ROOMY = {"num_gpu_blocks_override": 201}  # vLLM keeps one null block: 200 usable, as cbcore's num_blocks

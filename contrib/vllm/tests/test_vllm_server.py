@@ -16,7 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_helpers import PLUGIN, free_port, server_command, server_env, wait_healthy
+from vllm_helpers import PLUGIN, free_port, server_command, server_env, tiny_dir, wait_healthy  # noqa: F401
+
+# Every test here starts vLLM (from .venv-vllm, `make vllm-setup`); they run in CI.
+pytestmark = pytest.mark.vllm
 
 PROMPTS = ["The capital of France is", "Once upon a time", "In machine learning, a transformer is"]
 MAX_TOKENS = 16
