@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from conftest import SERVE_KEY
 
 from cbcore.cli.main import main
@@ -31,3 +32,22 @@ def test_bench_drives_a_started_and_a_running_server_with_the_same_trace(
         assert row["identical_to_reference"] is True, row["reference_mismatches"]
         assert row["ttft_p50_s"] > 0 and row["itl_p50_s"] is not None
     assert rows["fcfs@http"]["server"].startswith("http://127.0.0.1:")
+
+
+def test_the_http_driver_puts_each_field_where_the_server_reads_it() -> None:
+    from cbcore.bench.http_driver import request_body, server_dialect
+    from cbcore.bench.workload import BenchRequest, Workload
+
+    req = BenchRequest("r", 0.0, 3, prompt_token_ids=(1, 2), priority=1, client_id="a", deadline_s=2.0,
+                       attrs={"tier": "gold"})  # fmt: skip
+    cb = request_body("m", req, [1, 2], "cbcore")
+    assert (cb["priority"], cb["user"], cb["deadline_s"], cb["attrs"]) == (1, "a", 2.0, {"tier": "gold"})
+    vllm = request_body("m", req, [1, 2], "vllm")
+    assert vllm["priority"] == 1 and "deadline_s" not in vllm and "attrs" not in vllm
+    assert vllm["vllm_xargs"] == {"client_id": "a", "deadline_s": 2.0, "attrs": '{"tier": "gold"}'}
+    assert server_dialect("vllm", Workload("w", (req,))) == "vllm"
+    with pytest.raises(ValueError, match="no way to receive the workload's attrs, deadline_s, priority"):
+        server_dialect("openai", Workload("w", (req,)))
+    plain = BenchRequest("p", 0.0, 3, prompt_token_ids=(1, 2))
+    assert server_dialect(None, Workload("w", (plain,))) == "openai"
+    assert "priority" not in request_body("m", plain, [1, 2], "openai")

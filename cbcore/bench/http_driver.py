@@ -5,7 +5,9 @@ streams ``/v1/completions`` with the workload's token ids as the prompt
 (greedy, ``return_token_ids``), and timestamps every chunk as it is read. The
 result is the same :class:`RunResult` the in-process driver returns, so the
 metrics, the reference check and the report are the benchmark's own: TTFT,
-ITL and e2e are what a client sees, wire and server included.
+ITL and e2e are what a client sees, wire and server included. The server is
+`cb serve` or vLLM (``/v1/models`` says which: the per-request fields go
+where each reads them, :func:`request_body`), so one trace compares both.
 """
 
 from __future__ import annotations
@@ -52,8 +54,9 @@ async def _run(
     async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits, timeout=timeout) as http:
         models = (await http.get("/v1/models")).raise_for_status().json()
         model = models["data"][0]["id"]
+        dialect = server_dialect(models["data"][0].get("owned_by"), workload)
         warm = BenchRequest("warm-up", 0.0, 4, prompt_token_ids=tuple(token_ids[0][:8]), ignore_eos=True)
-        await _one(http, model, warm, list(token_ids[0][:8]), time.perf_counter())
+        await _one(http, model, warm, list(token_ids[0][:8]), time.perf_counter(), dialect)
         bar = progress(n, name)
         start = time.perf_counter()
 
@@ -68,7 +71,7 @@ async def _run(
                 done_at = before.metrics.finish_time if before.metrics else None
                 t0 = done_at if done_at is not None else time.perf_counter()
                 ids = list(before.prompt_token_ids) + list(before.output_token_ids) + ids
-            out = await _one(http, model, req, ids, t0)
+            out = await _one(http, model, req, ids, t0, dialect)
             answers[req.request_id].set_result(out)
             bar.update(1)
             return out
@@ -79,11 +82,44 @@ async def _run(
         duration = time.perf_counter() - start
         bar.close()
     return RunResult(
-        name=name, kind="cbcore", outputs=list(outputs), duration_s=duration, info={"server": url}
+        name=name, kind="cbcore", outputs=list(outputs), duration_s=duration,
+        info={"server": url, "dialect": dialect},
     )
 
 
-def request_body(model: str, req: BenchRequest, ids: list[int]) -> dict[str, Any]:
+#: How each server family takes the per-request scheduling fields (OpenAI has only ``user``).
+DIALECTS = ("cbcore", "vllm")
+
+
+def server_dialect(owned_by: object, workload: Workload) -> str:
+    """``cbcore`` or ``vllm``, from what ``/v1/models`` says owns the model.
+
+    Any other server gets the plain OpenAI body, which cannot carry priority,
+    deadline or attrs: a workload that sets them is refused rather than run
+    without them.
+    """
+    if owned_by in DIALECTS:
+        return str(owned_by)
+    fields = sorted(
+        {f for r in workload.requests for f, on in
+         (("priority", r.priority != 0), ("deadline_s", r.deadline_s is not None), ("attrs", bool(r.attrs))) if on}
+    )  # fmt: skip
+    if fields:
+        raise ValueError(
+            f"the server's models are owned by {owned_by!r}, not one of {', '.join(DIALECTS)}: it has no way to "
+            f"receive the workload's {', '.join(fields)}; drop them from the workload to drive it anyway"
+        )
+    return "openai"
+
+
+def request_body(model: str, req: BenchRequest, ids: list[int], dialect: str = "cbcore") -> dict[str, Any]:
+    """One streamed completion; the scheduling fields where the server's dialect reads them.
+
+    vLLM takes ``priority`` itself (with ``--scheduling-policy priority``) and
+    the rest through ``vllm_xargs`` (its ``SamplingParams.extra_args``), which
+    is where ``cbcore_vllm`` reads them; its values are scalars, so ``attrs``
+    travels as JSON text.
+    """
     body: dict[str, Any] = {
         "model": model,
         "prompt": ids,
@@ -92,24 +128,35 @@ def request_body(model: str, req: BenchRequest, ids: list[int]) -> dict[str, Any
         "ignore_eos": req.ignore_eos,
         "stream": True,
         "return_token_ids": True,
-        "priority": req.priority,
         "user": req.client_id,
     }
-    if req.deadline_s is not None:
-        body["deadline_s"] = req.deadline_s
-    if req.attrs:
-        body["attrs"] = thaw(req.attrs)
+    if dialect == "cbcore":
+        body["priority"] = req.priority
+        if req.deadline_s is not None:
+            body["deadline_s"] = req.deadline_s
+        if req.attrs:
+            body["attrs"] = thaw(req.attrs)
+    elif dialect == "vllm":
+        body["priority"] = req.priority
+        xargs: dict[str, Any] = {"client_id": req.client_id}
+        if req.deadline_s is not None:
+            xargs["deadline_s"] = req.deadline_s
+        if req.attrs:
+            xargs["attrs"] = json.dumps(thaw(req.attrs))
+        body["vllm_xargs"] = xargs
     return body
 
 
-async def _one(http: Any, model: str, req: BenchRequest, ids: list[int], start: float) -> RequestOutput:
+async def _one(
+    http: Any, model: str, req: BenchRequest, ids: list[int], start: float, dialect: str
+) -> RequestOutput:
     arrival = start + req.arrival_s
     await asyncio.sleep(max(0.0, arrival - time.perf_counter()))
     tokens: list[int] = []
     times: list[float] = []
     finish: str | None = None
     error: str | None = None
-    async with http.stream("POST", "/v1/completions", json=request_body(model, req, ids)) as resp:
+    async with http.stream("POST", "/v1/completions", json=request_body(model, req, ids, dialect)) as resp:
         if resp.status_code != 200:
             error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:300]}"
         else:

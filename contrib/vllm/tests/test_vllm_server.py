@@ -119,3 +119,30 @@ def test_unknown_plugin_stops_the_server_naming_it(tiny_dir: Path, tmp_path: Pat
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert "scheduler.queue: unknown queue plugin 'priorty' (did you mean 'priority'?)" in out, out[-3000:]
+
+
+def test_cb_bench_drives_vllm_with_the_same_trace_and_fields(server: dict[str, Any]) -> None:
+    """`cb bench --server URL` speaks vLLM's dialect: priority, and the rest in vllm_xargs, per class."""
+    from cbcore.bench.http_driver import run_http
+    from cbcore.bench.workload import BenchRequest, Workload
+
+    reqs = tuple(
+        BenchRequest(f"bench-{i}", 0.05 * i, 4, prompt_token_ids=tuple(range(20 + i, 40 + i)), ignore_eos=True,
+                     priority=i % 2, client_id=f"bench-{'ab'[i % 2]}", deadline_s=30.0 + i, attrs={"i": i})
+        for i in range(6)
+    )  # fmt: skip
+    workload = Workload("vllm-bench", reqs)
+    run = run_http(f"http://127.0.0.1:{server['port']}", "vllm", workload, [r.prompt_token_ids for r in reqs])
+    assert run.info["dialect"] == "vllm"
+    assert [o.finish_reason for o in run.outputs] == ["length"] * 6
+    assert all(len(o.output_token_ids) == 4 and o.metrics.ttft is not None for o in run.outputs)
+    deadline = time.monotonic() + 30
+    seen: dict[str, dict[str, Any]] = {}
+    while time.monotonic() < deadline and len(seen) < 6:
+        lines = server["events"].read_text().splitlines() if server["events"].exists() else []
+        seen = {e["client_id"] + str(e["deadline_s"]): e for e in map(json.loads, lines)
+                if e["event"] == "arrival" and str(e["client_id"]).startswith("bench-")}  # fmt: skip
+        time.sleep(0.2)
+    for i, req in enumerate(reqs):
+        e = seen[f"{req.client_id}{req.deadline_s}"]
+        assert (e["priority"], e["attrs"], e["max_new_tokens"]) == (i % 2, {"i": i}, 4)
