@@ -23,7 +23,6 @@ from cbcore.config import PluginSpec
 from cbcore.log import get_logger
 from cbcore.outputs import EngineLoad
 from cbcore.plugins import get_registry
-from cbcore.scheduling.request import freeze_attrs
 from cbcore.scheduling.router import ReplicaView, Router, RouteRequest, RouterError
 from cbcore.serve.engine_loop import Submission
 
@@ -96,7 +95,8 @@ def route_request(pending: PendingRequest | None) -> RouteRequest:
     sub = next((a for a in (pending.args if pending is not None else ()) if isinstance(a, Submission)), None)
     if sub is None:
         return RouteRequest(request_id="(no request)")
+    f = sub.fields
     return RouteRequest(
-        sub.request_id, tuple(sub.prompt_token_ids), sub.priority, sub.client_id,
-        sub.params.max_new_tokens, sub.deadline_s, freeze_attrs(sub.attrs),
+        sub.request_id, tuple(sub.prompt_token_ids), f.priority, f.client_id, sub.params.max_new_tokens,
+        f.deadline_s, f.attrs,
     )  # fmt: skip

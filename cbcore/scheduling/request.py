@@ -105,17 +105,24 @@ def thaw(value: Any) -> Any:
     return value
 
 
+#: Each field's type and check, for any model that carries it (the server's wire models name the client ``user``).
+Priority = Annotated[int, _strict_int("priority")]
+ClientId = Annotated[str, _nonempty_str("client_id")]
+DeadlineS = Annotated[float | None, BeforeValidator(_deadline)]
+Attrs = Annotated[Any, BeforeValidator(freeze_attrs)]
+
+
 class RequestFields(BaseModel):
-    """What policies read to tell requests apart (docs/policies.md); subclassed by every wire format."""
+    """What policies read to tell requests apart (docs/policies.md); request files and traces subclass it."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    priority: Annotated[int, _strict_int("priority")] = Field(0, description="Smaller is served first by 'priority'.")
-    client_id: Annotated[str, _nonempty_str("client_id")] = Field("default", description="Tenant, for fair share.")
-    deadline_s: Annotated[float | None, BeforeValidator(_deadline)] = Field(
+    priority: Priority = Field(0, description="Smaller is served first by 'priority'.")
+    client_id: ClientId = Field("default", description="Tenant, for fair share.")
+    deadline_s: DeadlineS = Field(
         None, description="Seconds after arrival by which the request should be done (met: e2e <= deadline_s)."
     )
-    attrs: Annotated[Any, BeforeValidator(freeze_attrs)] = Field(
+    attrs: Attrs = Field(
         default_factory=lambda: EMPTY_ATTRS, description="Free-form JSON attributes policies may read (stored read-only)."
     )
 

@@ -14,13 +14,14 @@ import asyncio
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from cbcore.engine import Engine, RequestError
 from cbcore.log import get_logger
 from cbcore.outputs import EngineLoad, RequestOutput
+from cbcore.scheduling.request import RequestFields
 from cbcore.scheduling.sampling_params import SamplingParams
 
 log = get_logger(__name__)
@@ -33,10 +34,7 @@ class Submission:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    priority: int = 0
-    client_id: str = "default"
-    deadline_s: float | None = None
-    attrs: Mapping[str, Any] | None = None
+    fields: RequestFields = field(default_factory=RequestFields)
     arrival_time: float = field(default_factory=time.perf_counter)
 
 
@@ -194,11 +192,8 @@ class EngineLoop:
                 sub.prompt_token_ids,
                 sub.params,
                 request_id=sub.request_id,
-                priority=sub.priority,
-                client_id=sub.client_id,
-                deadline_s=sub.deadline_s,
-                attrs=sub.attrs,
                 arrival_time=sub.arrival_time,
+                **dict(sub.fields),
             )
         except RequestError as exc:
             return Failed(str(exc), 400)

@@ -17,7 +17,9 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from cbcore.scheduling.request import EMPTY_ATTRS, Attrs, DeadlineS, Priority
 
 UNSUPPORTED_MSG = "is not supported by this server"
 #: Caps on ``stop``: each string is matched on every token's text, and its automaton is built per list.
@@ -67,9 +69,9 @@ class _Common(BaseModel):
     user: str | None = Field(None, min_length=1, max_length=256)
     # Extensions.
     ignore_eos: bool = False
-    priority: int = 0
-    deadline_s: float | None = Field(None, gt=0, allow_inf_nan=False)
-    attrs: dict[str, JsonValue] | None = None
+    priority: Priority = 0
+    deadline_s: DeadlineS = None
+    attrs: Attrs = Field(default_factory=lambda: EMPTY_ATTRS)
     return_token_ids: bool = False
 
     @field_validator("stop")

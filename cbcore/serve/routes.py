@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 
 from cbcore.outputs import RequestOutput
+from cbcore.scheduling.request import RequestFields
 from cbcore.serve import convert
 from cbcore.serve.engine_loop import Failed, Handle, Submission
 from cbcore.serve.errors import ApiError
@@ -123,10 +124,9 @@ async def start(
         request_id=f"{prefix}-{uuid.uuid4().hex}",
         prompt_token_ids=prompt_ids,
         params=params,
-        priority=body.priority,
-        client_id=body.user or "default",
-        deadline_s=body.deadline_s,
-        attrs=body.attrs,
+        fields=RequestFields(
+            priority=body.priority, client_id=body.user or "default", deadline_s=body.deadline_s, attrs=body.attrs
+        ),
         arrival_time=time.perf_counter(),
     )
     run = Run(state, state.loop.submit(sub), prompt_ids, body)
