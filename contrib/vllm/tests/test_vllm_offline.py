@@ -28,7 +28,7 @@ EQUIVALENCE: dict[str, dict[str, Any]] = {
     "priority-aging": {"queue": {"name": "priority", "aging_s": 0.5, "preempt_running": False}},
     "vtc": {"queue": {"name": "vtc"}},
     "sjf": {"queue": {"name": "sjf", "aging_s": 0.5}},
-    "edf": {"queue": {"name": "edf"}},
+    "edf": {"queue": {"name": "edf"}},  # contrib edf (cbcore-edf), installed in both venvs
     # static's waves reach vLLM through may_admit (the queue hides the requests it refuses)
     "fcfs-static": {"queue": {"name": "fcfs"}, "budget": {"name": "static", "max_num_seqs": 2, "max_num_batched_tokens": 64}},
 }

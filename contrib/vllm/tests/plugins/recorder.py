@@ -5,7 +5,6 @@ and that append what they saw to a JSON-lines file (the test reads it from anoth
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Sequence as Seq
 
 from pydantic import BaseModel, ConfigDict
@@ -60,16 +59,6 @@ class LongestPromptFirst(QueuePolicy):
         _write(self.params.log, event="finish", id=seq.request_id, num_output_tokens=seq.num_output_tokens)
 
 
-class EarliestDeadlineFirst(QueuePolicy):
-    """Earliest absolute deadline first; requests without one last, then by arrival."""
-
-    name = "edf"
-    fixed_keys = True
-
-    def key(self, seq, now):
-        return (seq.deadline if seq.deadline is not None else math.inf, seq.arrival_time, seq.request_id)
-
-
 class EvictLongestPrompt(PreemptionPolicy):
     """Recompute the candidate with the longest prompt (vLLM's fcfs would evict the newest)."""
 
@@ -103,4 +92,4 @@ class RaiseOnFive(QueuePolicy):
 
 @hookimpl
 def cbcore_register_policies():
-    return [LongestPromptFirst, EarliestDeadlineFirst, EvictLongestPrompt, GarbageOrder, RaiseOnFive]
+    return [LongestPromptFirst, EvictLongestPrompt, GarbageOrder, RaiseOnFive]
