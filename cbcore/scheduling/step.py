@@ -331,7 +331,14 @@ def blame(exc: BaseException, names: Mapping[int, str]) -> tuple[str, str, str |
 
 
 def _request_in(local: Mapping[str, object]) -> str | None:
+    """A request a frame was looking at: a Sequence, or any SequenceView (another engine's, in cbcore_vllm)."""
     for value in local.values():
         if isinstance(value, Sequence):
             return value.request_id
+        try:  # any object may sit in a frame: reading it must not raise while an error is being named
+            rid = getattr(value, "request_id", None) if hasattr(value, "num_computed_tokens") else None
+        except Exception:
+            continue
+        if isinstance(rid, str):
+            return rid
     return None
