@@ -32,7 +32,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "contrib" / "vllm" / "tests"))
-from vllm_helpers import free_port, server_command, server_env, wait_healthy  # noqa: E402
+from vllm_helpers import free_port, server_command, server_env, stop_server, wait_healthy  # noqa: E402
 
 CB = str(ROOT / ".venv" / "bin" / "cb")
 WORKLOAD = (
@@ -91,11 +91,7 @@ def vllm_rows(out: Path, model: Path) -> None:
             run([CB, "bench", "--workload", WORKLOAD, "--server", f"http://127.0.0.1:{port}", "--no-reference",
                  "--no-progress", "--json", str(out / f"vllm-{name}.json")], out / "log.txt")  # fmt: skip
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_server(proc)
 
 
 def per_class(row: dict[str, Any]) -> dict[str, tuple[float | None, float | None]]:

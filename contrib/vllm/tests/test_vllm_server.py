@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_helpers import PLUGIN, free_port, server_command, server_env, tiny_dir, wait_healthy  # noqa: F401
+from vllm_helpers import PLUGIN, free_port, server_command, server_env, stop_server, tiny_dir, wait_healthy  # noqa: F401
 
 # Every test here starts vLLM (from .venv-vllm, `make vllm-setup`); they run in CI.
 pytestmark = pytest.mark.vllm
@@ -55,11 +55,7 @@ def server(default_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
             sys.stderr.write(f"vLLM server (default model) healthy after {startup:.1f} s\n")
             yield {"port": port, "events": events, "log": log, "startup_s": startup}
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_server(proc)
 
 
 def complete(port: int, **body: Any) -> dict[str, Any]:

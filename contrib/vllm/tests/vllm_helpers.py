@@ -114,6 +114,15 @@ def server_env() -> dict[str, str]:
     return env
 
 
+def stop_server(proc: subprocess.Popen[str]) -> None:
+    """SIGTERM, a minute to shut down, then SIGKILL."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def wait_healthy(proc: subprocess.Popen[str], port: int, log: Path, timeout_s: float = 900) -> float:
     """Seconds until /health answers 200; fails with the log's tail if the server dies first."""
     import urllib.request
