@@ -197,19 +197,22 @@ class EngineCore:
     def load(self) -> EngineLoad:
         """A read-only snapshot of queues, tokens, KV use and counters (read it between steps)."""
         blocks = self.scheduler.blocks
-        count = dict.fromkeys(SequenceStatus, 0)
-        waiting_tokens = running_tokens = 0
+        # The server reads this after every step: one plain pass, no properties, per request.
+        waiting, running = SequenceStatus.WAITING, SequenceStatus.RUNNING
+        num_waiting = num_running = waiting_tokens = running_tokens = 0
         for seq in self._live.values():
-            count[seq.status] += 1
-            if seq.status is SequenceStatus.WAITING:
-                waiting_tokens += seq.num_pending_tokens
-            elif seq.status is SequenceStatus.RUNNING:
-                running_tokens += seq.num_tokens
+            status = seq.status
+            if status is waiting:
+                num_waiting += 1
+                waiting_tokens += len(seq.token_ids) - seq.num_computed_tokens
+            elif status is running:
+                num_running += 1
+                running_tokens += len(seq.token_ids)
         recent = list(itertools.islice(reversed(self.step_stats), 16))
         return EngineLoad(
-            num_waiting=count[SequenceStatus.WAITING],
-            num_running=count[SequenceStatus.RUNNING],
-            num_swapped=count[SequenceStatus.SWAPPED],
+            num_waiting=num_waiting,
+            num_running=num_running,
+            num_swapped=len(self._live) - num_waiting - num_running,
             kv_blocks_used=blocks.num_used_blocks,
             kv_blocks_total=blocks.num_blocks,
             num_preemptions_total=self.num_preemptions_total,

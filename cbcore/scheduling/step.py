@@ -70,8 +70,10 @@ class Steps:
     def named(self, exc: BaseException) -> BaseException:
         return named(exc, self.names, after="; the engine is as before the step")
 
-    def observe(self, out: SchedulerOutput, computed: int, sampled: int, waiting: str = "") -> None:
-        """The progress guarantee, for one checked plan (``waiting`` says what waits, for the message)."""
+    def observe(
+        self, out: SchedulerOutput, computed: int, sampled: int, waiting: Callable[[], str] = lambda: "work"
+    ) -> None:
+        """The progress guarantee, for one checked plan (``waiting()`` says what waits, for the message)."""
         if computed == 0 and not out.failed:
             if not self.call(self.scheduler.has_unfinished):
                 return
@@ -80,7 +82,7 @@ class Steps:
             if not moved or self.idle > MAX_IDLE_STEPS:
                 what = "changed nothing" if not moved else f"computed nothing for {self.idle} steps"
                 raise SchedulerStall(
-                    f"{self.culprit} planned no tokens while work waits ({waiting}) and {what}: it would spin forever",
+                    f"{self.culprit} planned no tokens while work waits ({waiting()}) and {what}: it would spin forever",
                     plugin=self.culprit,
                     rule="a step computes tokens while work waits",
                 )
@@ -122,7 +124,7 @@ class StepTransaction:
         """Ask the scheduler, check its answer, save the RNG of the rows that will sample."""
         out = self.out = self.steps.call(self.scheduler.schedule)
         plan, computed, sampled = check_plan(out, self.scheduler.blocks, self.steps.culprit)
-        self.steps.observe(out, computed, sampled, f"{len(self.idle)} waiting, {len(self.held)} holding KV")
+        self.steps.observe(out, computed, sampled, lambda: f"{len(self.idle)} waiting, {len(self.held)} holding KV")
         self.rng = [(row.generator, row.generator.get_state()) for row in plan.rows if row.generator is not None]
         return plan
 
