@@ -23,8 +23,8 @@ CACHE_ENV = "CBCORE_CACHE_DIR"
 
 
 def cache_root() -> Path:
-    """Where cbcore keeps what it computes once per machine (the converted default model, kernels,
-    the linear calibration): ``$CBCORE_CACHE_DIR``, else ``$XDG_CACHE_HOME/cbcore``, else ``~/.cache/cbcore``."""
+    """Where cbcore keeps what it computes once per machine (the converted default model,
+    compiled kernels): ``$CBCORE_CACHE_DIR``, else ``$XDG_CACHE_HOME/cbcore``, else ``~/.cache/cbcore``."""
     explicit = os.environ.get(CACHE_ENV)
     if explicit:
         return Path(explicit).expanduser()
@@ -136,16 +136,10 @@ class ExecutionConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    linear_layout: Literal["auto", "standard", "transposed", "skinny"] = Field(
+    linear: Literal["auto", "onednn", "standard"] = Field(
         "auto",
-        description="How the linear layers multiply inside engine steps: standard (x @ W.T), "
-        "transposed ((W @ x.T).T), skinny (cbcore's kernel for few rows, CPU float32), "
-        "or auto: the fastest measured per row count (CPU), once per machine and model.",
-    )
-    linear_calibration: Literal["cached", "fresh"] = Field(
-        "cached",
-        description="For linear_layout auto: reuse the choice measured earlier for this machine, model, threads "
-        "and dtype (kept in $CBCORE_CACHE_DIR, default ~/.cache/cbcore), or measure again and replace it.",
+        description="How the linear layers multiply inside engine steps: onednn (weights packed once for "
+        "oneDNN; CPU float32/bfloat16), standard (F.linear), or auto: onednn where it can run, else standard.",
     )
 
 

@@ -84,8 +84,7 @@ class Engine(EngineCore):
             config.kv_cache.block_size,
             num_blocks,
             host_blocks,
-            linear_layout=config.execution.linear_layout,
-            linear_calibration=config.execution.linear_calibration,
+            linear=config.execution.linear,
         )
         self.model = model
         text_cfg = model.config.get_text_config()

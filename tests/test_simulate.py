@@ -327,7 +327,7 @@ def test_cb_profile_then_cb_simulate(cb_tiny_model_dir, tmp_path: Path, capsys) 
     assert main(["profile", "--refit", str(prof), str(again), "--out", str(both), "--force"]) == 0
     joined = load_profile(both)
     assert joined.cost.steps == first.steps + second.steps and joined.identity == load_profile(prof).identity
-    assert load_profile(prof).identity.linear_orders is not None  # what the linear layers ran
+    assert load_profile(prof).identity.linear in ("onednn", "standard")  # what the linear layers ran
     assert load_profile(prof).identity.backend_variant == "decode paged"  # and the attention
     # ...and profiles of different set-ups are refused, naming what differs.
     other = load_profile(prof)
@@ -353,10 +353,10 @@ def test_cb_simulate_refuses_a_bad_profile_in_one_line(tmp_path: Path, capsys) -
     assert err.startswith("cb: error: profile") and "identity" in err and "\n" not in err
 
 
-def test_a_profile_from_before_the_skinny_kernel_reads_its_transposed_rows_as_orders():
+def test_a_profile_from_before_packed_linears_loads_without_a_linear_kind():
     base = {"hardware": "cpu", "model": "m", "dtype": "float32", "backend": "sdpa", "source": "measured"}
-    old = Identity.model_validate({**base, "linear_transposed_rows": [2, 3]})
-    assert old.linear_orders == {2: "transposed", 3: "transposed"}
-    assert Identity.model_validate({**base, "linear_orders": {"1": "skinny"}}).linear_orders == {1: "skinny"}
-    with pytest.raises(ValueError, match="linear_orders"):
-        Identity.model_validate({**base, "linear_orders": {"1": "sideways"}})
+    assert Identity.model_validate({**base, "linear_transposed_rows": [2, 3]}).linear is None
+    assert Identity.model_validate({**base, "linear_orders": {"1": "skinny"}}).linear is None
+    assert Identity.model_validate({**base, "linear": "onednn"}).linear == "onednn"
+    with pytest.raises(ValueError, match="linear"):
+        Identity.model_validate({**base, "linear": "sideways"})

@@ -22,8 +22,9 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import torch
+
 from cbcore.config import cache_root
-from cbcore.execution.linear_cache import hardware_name
 from cbcore.log import get_logger
 
 log = get_logger(__name__)
@@ -33,6 +34,20 @@ FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPI
 
 class KernelUnavailable(RuntimeError):
     """A C kernel could not be built or loaded here; the message says why."""
+
+
+def hardware_name(device: torch.device | None = None) -> str:
+    """The accelerator's or CPU's model name: what a kernel built or a timing measured here is valid for."""
+    if device is not None and device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        text = ""
+    for line in text.splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
 
 
 def _compiler() -> str | None:

@@ -13,7 +13,7 @@ from cbcore.execution.attention import AttentionContext, check_model_supported, 
 from cbcore.execution.backend import Backend
 from cbcore.execution.batch import FlatBatch, build_flat_batch
 from cbcore.execution.kv_cache import KVCache
-from cbcore.execution.linear import Calibration, LinearLayout, LinearRouter
+from cbcore.execution.packed_linear import LinearKind, PackedLinears
 from cbcore.log import get_logger
 from cbcore.scheduling.plan import StepPlan
 
@@ -54,8 +54,7 @@ class ModelRunner:
         block_size: int,
         num_blocks: int,
         num_host_blocks: int = 0,
-        linear_layout: LinearLayout = "auto",
-        linear_calibration: Calibration = "cached",
+        linear: LinearKind = "auto",
     ) -> None:
         check_model_supported(model)
         self.model = model.eval()
@@ -76,7 +75,7 @@ class ModelRunner:
             num_host_blocks=num_host_blocks,
         )
         self._attn = AttentionContext(backend, self.kv_cache)
-        self.linear = LinearRouter.for_model(self.model, linear_layout, linear_calibration)
+        self.linear = PackedLinears(self.model, linear)
         self.num_forwards = 0
         log.info(
             "kv cache ready",

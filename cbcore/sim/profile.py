@@ -46,20 +46,18 @@ class Identity(BaseModel):
     source: Literal["measured", "roofline"]
     created: str | None = None
     torch: str | None = None
-    linear_orders: dict[int, Literal["transposed", "skinny"]] | None = Field(
+    linear: Literal["onednn", "standard"] | None = Field(
         None,
-        description="Calibrated row counts whose linear layers ran in another order than the standard one "
-        "while measured (CPU): a real run with another choice has other step times at those widths.",
+        description="How the linear layers multiplied while measured (CPU): a real run with the other "
+        "kind has other step times. None in profiles written before packed oneDNN linears.",
     )
 
     @model_validator(mode="before")
     @classmethod
     def _older_field(cls, data: object) -> object:
-        """Profiles written before the skinny kernel listed the transposed row counts alone."""
-        if isinstance(data, dict) and "linear_transposed_rows" in data and "linear_orders" not in data:
-            data = dict(data)
-            rows = data.pop("linear_transposed_rows")
-            data["linear_orders"] = None if rows is None else dict.fromkeys(rows, "transposed")
+        """Profiles written before packed oneDNN linears named per-row-count orders; their steps ran neither kind."""
+        if isinstance(data, dict) and ({"linear_orders", "linear_transposed_rows"} & data.keys()):
+            data = {k: v for k, v in data.items() if k not in ("linear_orders", "linear_transposed_rows")}
         return data
 
 

@@ -23,7 +23,7 @@ import torch
 from cbcore.config import EngineConfig
 from cbcore.engine import Engine
 from cbcore.engine_core import Executor, StepRecord
-from cbcore.execution.linear_cache import hardware_name
+from cbcore.execution.native import hardware_name
 from cbcore.log import get_logger
 from cbcore.scheduling.plan import Sampled, StepPlan
 from cbcore.scheduling.sampling_params import SamplingParams
@@ -186,6 +186,6 @@ def make_profile(engine: Engine, model_name: str, grid: Grid = FULL, seed: int =
         source="measured",
         created=datetime.now(UTC).isoformat(timespec="seconds"),
         torch=torch.__version__,
-        linear_orders=dict(engine.runner.linear.orders),
+        linear=engine.runner.linear.kind,
     )
     return Profile(identity=identity, model=ModelShape.of(model_name, engine.model.config), cost=cost)

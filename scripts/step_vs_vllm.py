@@ -1,0 +1,143 @@
+"""Decode step time of cbcore and of vLLM's CPU build for the same shapes, measured the same way.
+
+For ``W`` sequences decoding at once at ``C`` tokens of context, each engine
+generates ``W`` random ``C``-token prompts twice, once with ``--short`` and once
+with ``--long`` new tokens (greedy, EOS ignored, prefix caching off); the
+difference of the two wall times over the difference of the token counts is
+the time of one decode step of width ``W`` (prefill, start-up and the first
+steps cancel out). Both engines are offline and synchronous: cbcore's
+``Engine.generate`` and vLLM's ``LLM.generate``, each with a batch limit of ``W``,
+one engine process at a time, alternating rounds; each cell keeps the median.
+
+Run from the repository root after ``make setup vllm-setup``::
+
+    .venv/bin/python scripts/step_vs_vllm.py --widths 1,4,16,64 --contexts 128,1024 --rounds 2
+
+The vLLM side runs in ``.venv-vllm`` (this file, with ``--side vllm``) in the
+environment its CPU docs advise (libiomp preloaded, threads bound).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def prompts(width: int, context: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab) for _ in range(context)] for _ in range(width)]
+
+
+def cbcore_side(model_dir: str, cells: list[tuple[int, int]], short: int, long: int) -> dict[str, float]:
+    from cbcore import Engine, EngineConfig, SamplingParams
+
+    out: dict[str, float] = {}
+    for width, context in cells:
+        config = EngineConfig.model_validate(
+            {
+                "model": {"path": model_dir, "dtype": "float32", "max_model_len": context + long + 8},
+                "scheduler": {"budget": {"name": "token-budget", "max_num_seqs": width,
+                                         "max_num_batched_tokens": max(2048, context + width)}},
+                "kv_cache": {"max_memory_mb": 4096, "prefix_caching": False},
+            }
+        )
+        engine = Engine.from_pretrained(model_dir, config)
+        ps = prompts(width, context, engine.vocab_size, seed=width * 7919 + context)
+        times = {}
+        for n in (short, long):
+            params = SamplingParams(max_new_tokens=n, ignore_eos=True)
+            engine.generate(ps[:1], SamplingParams(max_new_tokens=2, ignore_eos=True))  # warm
+            t0 = time.perf_counter()
+            engine.generate(ps, params)
+            times[n] = time.perf_counter() - t0
+        out[f"{width}x{context}"] = (times[long] - times[short]) / (long - short)
+        del engine
+    return out
+
+
+def vllm_side(model_dir: str, cells: list[tuple[int, int]], short: int, long: int) -> dict[str, float]:
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    out: dict[str, float] = {}
+    for width, context in cells:
+        llm = LLM(
+            model=model_dir,
+            dtype="float32",
+            max_num_seqs=width,
+            max_model_len=context + long + 8,
+            max_num_batched_tokens=max(2048, context + width),
+            enable_prefix_caching=False,
+            block_size=32,
+        )
+        vocab = llm.llm_engine.model_config.get_vocab_size()
+        ps = [TokensPrompt(prompt_token_ids=p) for p in prompts(width, context, vocab, seed=width * 7919 + context)]
+        times = {}
+        for n in (short, long):
+            params = SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0)
+            llm.generate(ps[:1], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+            t0 = time.perf_counter()
+            llm.generate(ps, params, use_tqdm=False)
+            times[n] = time.perf_counter() - t0
+        out[f"{width}x{context}"] = (times[long] - times[short]) / (long - short)
+        del llm
+    return out
+
+
+def run_side(side: str, args: argparse.Namespace) -> dict[str, float]:
+    """One side in a fresh process (vLLM in its own venv), its cells as JSON."""
+    sys.path.insert(0, str(ROOT / "contrib" / "vllm" / "tests"))
+    from vllm_helpers import VLLM_PY, vllm_env
+
+    py = str(VLLM_PY) if side == "vllm" else str(ROOT / ".venv" / "bin" / "python")
+    cmd = [py, __file__, "--side", side, "--model", args.model, "--widths", args.widths,
+           "--contexts", args.contexts, "--short", str(args.short), "--long", str(args.long)]
+    env = vllm_env() if side == "vllm" else None
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"{side} side failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--side", choices=["cbcore", "vllm"], help="internal: run one side here")
+    ap.add_argument("--model", default=None, help="model directory (default: cbcore's embedded default)")
+    ap.add_argument("--widths", default="1,4,16,64")
+    ap.add_argument("--contexts", default="128,1024")
+    ap.add_argument("--short", type=int, default=8)
+    ap.add_argument("--long", type=int, default=40)
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    cells = [(int(w), int(c)) for c in args.contexts.split(",") for w in args.widths.split(",")]
+    if args.side:
+        fn = vllm_side if args.side == "vllm" else cbcore_side
+        print(json.dumps(fn(args.model, cells, args.short, args.long)))
+        return
+    if args.model is None:
+        from cbcore.models.default_model import default_model_dir
+
+        args.model = str(default_model_dir())
+    samples: dict[str, dict[str, list[float]]] = {"cbcore": {}, "vllm": {}}
+    for r in range(args.rounds):
+        for side in ("vllm", "cbcore") if r % 2 == 0 else ("cbcore", "vllm"):
+            for cell, s in run_side(side, args).items():
+                samples[side].setdefault(cell, []).append(s)
+            print(f"round {r + 1}: {side} done", file=sys.stderr, flush=True)
+    print("| decodes | context | vLLM ms/step | cbcore ms/step | cbcore / vLLM |")
+    print("|---:|---:|---:|---:|---:|")
+    for width, context in cells:
+        cell = f"{width}x{context}"
+        v, c = statistics.median(samples["vllm"][cell]), statistics.median(samples["cbcore"][cell])
+        print(f"| {width} | {context} | {v * 1e3:.1f} | {c * 1e3:.1f} | {c / v:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
