@@ -6,8 +6,10 @@ with ``--long`` new tokens (greedy, EOS ignored, prefix caching off); the
 difference of the two wall times over the difference of the token counts is
 the time of one decode step of width ``W`` (prefill, start-up and the first
 steps cancel out). Both engines are offline and synchronous: cbcore's
-``Engine.generate`` and vLLM's ``LLM.generate``, each with a batch limit of ``W``,
-one engine process at a time, alternating rounds; each cell keeps the median.
+``Engine.generate`` and vLLM's ``LLM.generate`` (compiled, its default), one
+engine per side for all cells (a batch limit of the widest cell, so ``W``
+prompts decode together), one engine process at a time, sides alternating
+between rounds; each cell keeps the median.
 
 Run from the repository root after ``make setup vllm-setup``::
 
@@ -36,59 +38,59 @@ def prompts(width: int, context: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(100, vocab) for _ in range(context)] for _ in range(width)]
 
 
+def _timed(generate, ps: list, short: int, long: int) -> float:
+    """Seconds per decode step: the difference of two runs over the difference of their lengths."""
+    generate(ps[:1], 2)  # warm: first-call costs of this shape
+    times = {}
+    for n in (short, long):
+        t0 = time.perf_counter()
+        generate(ps, n)
+        times[n] = time.perf_counter() - t0
+    return (times[long] - times[short]) / (long - short)
+
+
 def cbcore_side(model_dir: str, cells: list[tuple[int, int]], short: int, long: int) -> dict[str, float]:
     from cbcore import Engine, EngineConfig, SamplingParams
 
-    out: dict[str, float] = {}
-    for width, context in cells:
-        config = EngineConfig.model_validate(
-            {
-                "model": {"path": model_dir, "dtype": "float32", "max_model_len": context + long + 8},
-                "scheduler": {"budget": {"name": "token-budget", "max_num_seqs": width,
-                                         "max_num_batched_tokens": max(2048, context + width)}},
-                "kv_cache": {"max_memory_mb": 4096, "prefix_caching": False},
-            }
-        )
-        engine = Engine.from_pretrained(model_dir, config)
-        ps = prompts(width, context, engine.vocab_size, seed=width * 7919 + context)
-        times = {}
-        for n in (short, long):
-            params = SamplingParams(max_new_tokens=n, ignore_eos=True)
-            engine.generate(ps[:1], SamplingParams(max_new_tokens=2, ignore_eos=True))  # warm
-            t0 = time.perf_counter()
-            engine.generate(ps, params)
-            times[n] = time.perf_counter() - t0
-        out[f"{width}x{context}"] = (times[long] - times[short]) / (long - short)
-        del engine
-    return out
+    width, context = max(w for w, _ in cells), max(c for _, c in cells)
+    config = EngineConfig.model_validate(
+        {
+            "model": {"path": model_dir, "dtype": "float32", "max_model_len": context + long + 8},
+            "scheduler": {"budget": {"name": "token-budget", "max_num_seqs": width,
+                                     "max_num_batched_tokens": max(2048, context + width)}},
+            "kv_cache": {"max_memory_mb": 4096, "prefix_caching": False},
+        }
+    )
+    engine = Engine.from_pretrained(model_dir, config)
+
+    def generate(ps: list, n: int) -> None:
+        engine.generate(ps, SamplingParams(max_new_tokens=n, ignore_eos=True))
+
+    return {f"{w}x{c}": _timed(generate, prompts(w, c, engine.vocab_size, w * 7919 + c), short, long) for w, c in cells}
 
 
 def vllm_side(model_dir: str, cells: list[tuple[int, int]], short: int, long: int) -> dict[str, float]:
     from vllm import LLM, SamplingParams, TokensPrompt
 
-    out: dict[str, float] = {}
-    for width, context in cells:
-        llm = LLM(
-            model=model_dir,
-            dtype="float32",
-            max_num_seqs=width,
-            max_model_len=context + long + 8,
-            max_num_batched_tokens=max(2048, context + width),
-            enable_prefix_caching=False,
-            block_size=32,
-        )
-        vocab = llm.llm_engine.model_config.get_vocab_size()
-        ps = [TokensPrompt(prompt_token_ids=p) for p in prompts(width, context, vocab, seed=width * 7919 + context)]
-        times = {}
-        for n in (short, long):
-            params = SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0)
-            llm.generate(ps[:1], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
-            t0 = time.perf_counter()
-            llm.generate(ps, params, use_tqdm=False)
-            times[n] = time.perf_counter() - t0
-        out[f"{width}x{context}"] = (times[long] - times[short]) / (long - short)
-        del llm
-    return out
+    width, context = max(w for w, _ in cells), max(c for _, c in cells)
+    llm = LLM(
+        model=model_dir,
+        dtype="float32",
+        max_num_seqs=width,
+        max_model_len=context + long + 8,
+        max_num_batched_tokens=max(2048, context + width),
+        enable_prefix_caching=False,
+        block_size=32,
+    )
+    vocab = llm.llm_engine.model_config.get_vocab_size()
+
+    def generate(ps: list, n: int) -> None:
+        llm.generate(ps, SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0), use_tqdm=False)
+
+    return {
+        f"{w}x{c}": _timed(generate, [TokensPrompt(prompt_token_ids=p) for p in prompts(w, c, vocab, w * 7919 + c)], short, long)
+        for w, c in cells
+    }
 
 
 def run_side(side: str, args: argparse.Namespace) -> dict[str, float]:
