@@ -33,7 +33,8 @@ LinearKind = Literal["auto", "onednn", "standard"]
 
 def _packable() -> tuple[torch.dtype, ...]:
     """oneDNN packs bfloat16 only on CPUs with native bf16 conversion (AVX-512 or AVX-NE-CONVERT)."""
-    return (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
+    bf16 = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return (torch.float32, torch.bfloat16) if bf16 is not None and bf16() else (torch.float32,)
 
 
 def onednn_refusal(modules: list[nn.Linear]) -> str | None:
@@ -60,6 +61,7 @@ class PackedLinears:
         self._active = False
         for module in modules:
             # An engine built earlier on the same model may have routed it; start from the class's forward.
+            # (That earlier engine then multiplies with F.linear: the same numbers, its speed of old.)
             module.__dict__.pop("forward", None)
             if self.kind == "onednn":
                 module.forward = self._routed(module)  # type: ignore[method-assign]
