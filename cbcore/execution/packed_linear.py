@@ -52,7 +52,7 @@ def onednn_refusal(modules: list[nn.Linear]) -> str | None:
 class PackedLinears:
     """The model's ``nn.Linear`` layers, routed to packed oneDNN products while :meth:`active`."""
 
-    def __init__(self, model: nn.Module, kind: LinearKind = "auto") -> None:
+    def __init__(self, model: nn.Module, kind: LinearKind = "standard") -> None:
         modules = [m for m in model.modules() if type(m) is nn.Linear]
         reason = onednn_refusal(modules) if kind != "standard" else "asked for"
         if kind == "onednn" and reason is not None:
