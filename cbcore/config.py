@@ -137,11 +137,10 @@ class ExecutionConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     linear: Literal["auto", "onednn", "standard"] = Field(
-        "standard",
-        description="How the linear layers multiply inside engine steps: standard (F.linear, the default), "
-        "onednn (weights packed once for oneDNN; CPU float32, bfloat16 where the CPU has bf16; faster, but "
-        "oneDNN's per-shape caches grow the process by ~100 MiB under varied step shapes), or auto: onednn "
-        "where it can run, else standard.",
+        "auto",
+        description="How the linear layers multiply inside engine steps: onednn (weights packed once for "
+        "oneDNN; CPU float32, bfloat16 where the CPU has bf16; as much memory again as the linear weights), "
+        "standard (F.linear), or auto (the default): onednn where it can run, else standard.",
     )
 
 

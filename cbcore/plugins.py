@@ -48,7 +48,7 @@ BASES = {
     "prefill": "cbcore.scheduling.policy.PrefillPolicy",
     "preemption": "cbcore.scheduling.policy.PreemptionPolicy",
     "scheduler": "cbcore.scheduling.scheduler.SchedulerPlugin",
-    "router": "cbcore.scheduling.router.Router",
+    "router": "cbcore.scale.router.Router",
     "backend": "cbcore.execution.backend.Backend",
 }
 KINDS = tuple(BASES)

@@ -12,7 +12,7 @@ import pytest
 from cbcore import ReplicaView, Router, RouteRequest, RouterError
 from cbcore.config import EngineConfig
 from cbcore.plugins import PluginError, get_registry
-from cbcore.scheduling.router import checked_choice
+from cbcore.scale.router import checked_choice
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from cbcore.sim.fitted import fit_cost, nnls, refit
 from cbcore.sim.loop import Replica, simulate_run
 from cbcore.sim.model_shape import ModelShape
 from cbcore.sim.profile import Identity, Profile, ProfileError, load_profile
-from cbcore.sim.profiler import QUICK, _Recording, make_profile, profile_config
+from cbcore.sim.profiler import QUICK, ShapeRecorder, make_profile, profile_config
 from cbcore.sim.shape import StepShape
 from cbcore.sim.suite import simulate_suite
 from cbcore.testing.block_invariants import check_blocks
@@ -234,7 +234,7 @@ def test_simulated_metrics_follow_the_real_run_they_were_fitted_on(models) -> No
     cfg = config()
     engine = Engine(model, None, cfg)
     warm_up(engine, ids)
-    recorder = _Recording(engine.executor)
+    recorder = ShapeRecorder(engine.executor)
     engine.executor = recorder
     real = run_engine(engine, "real", workload, ids)
     times = [s.total_s for s in real.steps if s.num_seqs]

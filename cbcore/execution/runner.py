@@ -54,7 +54,7 @@ class ModelRunner:
         block_size: int,
         num_blocks: int,
         num_host_blocks: int = 0,
-        linear: LinearKind = "standard",
+        linear: LinearKind = "auto",
     ) -> None:
         check_model_supported(model)
         self.model = model.eval()

@@ -1,10 +1,10 @@
 """Ray Serve's request router, driven by a cbcore router plugin.
 
 Ray Serve asks a ``RequestRouter`` for ranked replicas for each request; this
-one builds a :class:`~cbcore.scheduling.router.ReplicaView` per replica (its
+one builds a :class:`~cbcore.scale.router.ReplicaView` per replica (its
 ``Engine.load()`` from the replica's ``record_routing_stats``, which Ray Serve
 polls every ``request_routing_stats_period_s``, and this router's own count of
-requests in flight there) and a :class:`~cbcore.scheduling.router.RouteRequest`
+requests in flight there) and a :class:`~cbcore.scale.router.RouteRequest`
 from the submission, and asks the configured plugin. Ray Serve then sends the
 request to the first ranked replica that accepts it, and drops a dead replica
 from the candidates. A plugin that raises fails that request with its error
@@ -23,7 +23,7 @@ from cbcore.config import PluginSpec
 from cbcore.log import get_logger
 from cbcore.outputs import EngineLoad
 from cbcore.plugins import get_registry
-from cbcore.scheduling.router import ReplicaView, Router, RouteRequest, RouterError
+from cbcore.scale.router import ReplicaView, Router, RouteRequest, RouterError
 from cbcore.serve.engine_loop import Submission
 
 log = get_logger(__name__)

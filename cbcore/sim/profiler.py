@@ -73,7 +73,7 @@ QUICK = Grid(
 )
 
 
-class _Recording:
+class ShapeRecorder:
     """Wraps the engine's executor to note each step's shape before it runs."""
 
     def __init__(self, inner: Executor) -> None:
@@ -115,7 +115,7 @@ def measure(
 ) -> tuple[list[StepShape], list[float]]:
     """Run the grid's request groups through ``engine``; every non-empty step's shape and seconds."""
     rng = random.Random(seed)
-    recorder = _Recording(engine.executor)
+    recorder = ShapeRecorder(engine.executor)
     engine.executor = recorder
     times: list[float] = []
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence as Seq
 
 from cbcore.bench.workload import BenchRequest
 from cbcore.outputs import EngineLoad
-from cbcore.scheduling.router import ReplicaView, Router, RouteRequest, checked_choice
+from cbcore.scale.router import ReplicaView, Router, RouteRequest, checked_choice
 from cbcore.sim.loop import Replica
 
 

@@ -1,4 +1,4 @@
-"""Built-in routers: which replica serves a request (see :mod:`cbcore.scheduling.router`)."""
+"""Built-in routers: which replica serves a request (see :mod:`cbcore.scale.router`)."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from cbcore.scheduling.router import ReplicaView, Router, RouteRequest
+from cbcore.scale.router import ReplicaView, Router, RouteRequest
 
 LoadMeasure = Literal["in-flight", "queue", "kv"]
 

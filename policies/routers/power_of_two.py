@@ -8,7 +8,7 @@ from collections.abc import Sequence as Seq
 from pydantic import Field
 
 from cbcore.policies.routers.least_loaded import LoadParams, load_key
-from cbcore.scheduling.router import ReplicaView, Router, RouteRequest
+from cbcore.scale.router import ReplicaView, Router, RouteRequest
 
 
 class PowerOfTwoParams(LoadParams):

@@ -7,7 +7,7 @@ from collections.abc import Sequence as Seq
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt
 
-from cbcore.scheduling.router import ReplicaView, Router, RouteRequest, least_in_flight
+from cbcore.scale.router import ReplicaView, Router, RouteRequest, least_in_flight
 
 
 class PrefixAffinityParams(BaseModel):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
-from cbcore.scheduling.router import ReplicaView, Router, RouteRequest
+from cbcore.scale.router import ReplicaView, Router, RouteRequest
 
 
 class RoundRobin(Router):
