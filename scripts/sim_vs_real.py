@@ -14,6 +14,9 @@ simulated one, then splits the error in two:
   is the step-time model's error plus the machine running faster or slower
   than when it was profiled.
 
+Workloads of token ids (generators, token-id traces, ``seed``): ``compare``
+has no tokenizer for text prompts.
+
 Run from the repository root after ``make setup``::
 
     .venv/bin/python scripts/sim_vs_real.py run --threads 1 --repeat 3 --out real.json \\
