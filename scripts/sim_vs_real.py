@@ -14,7 +14,7 @@ simulated one, then splits the error in two:
   is the step-time model's error plus the machine running faster or slower
   than when it was profiled.
 
-Workloads of token ids (generators, token-id traces, ``seed``): ``compare``
+Workloads of token ids (generators, token-id traces): ``compare``
 has no tokenizer for text prompts.
 
 Run from the repository root after ``make setup``::
