@@ -125,8 +125,11 @@ class PackedLinears:
             if not self._active or x.dtype != packed.dtype or x.numel() == 0:
                 return plain(x)
             flat = x.reshape(-1, x.shape[-1])
-            pieces = [_product(flat[a:b], padded, packed, bias) for a, b, padded in row_pieces(len(flat))]
-            out = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+            if len(flat) <= EXACT_ROWS:  # a decode step: one unpadded product, no Python beyond it
+                out = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
+            else:
+                pieces = [_product(flat[a:b], padded, packed, bias) for a, b, padded in row_pieces(len(flat))]
+                out = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
             return out.view(*x.shape[:-1], out.shape[-1])
 
         return forward
