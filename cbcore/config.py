@@ -136,11 +136,18 @@ class ExecutionConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    forward: Literal["auto", "fused", "hf"] = Field(
+        "auto",
+        description="Which code runs the model in engine steps: fused (cbcore's own forward for the Llama "
+        "family: Llama, Mistral, Qwen2), hf (transformers' modules, any supported model), or auto (the "
+        "default): fused where the model is of its family, else hf.",
+    )
     linear: Literal["auto", "onednn", "standard"] = Field(
         "auto",
-        description="How the linear layers multiply inside engine steps: onednn (weights packed once for "
+        description="How the fused forward's linear layers multiply: onednn (weights packed once for "
         "oneDNN; CPU float32, bfloat16 where the CPU has bf16; as much memory again as the linear weights), "
-        "standard (F.linear), or auto (the default): onednn where it can run, else standard.",
+        "standard (F.linear), or auto (the default): onednn where it can run, else standard. HF's modules "
+        "multiply with F.linear.",
     )
 
 

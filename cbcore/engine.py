@@ -85,6 +85,7 @@ class Engine(EngineCore):
             num_blocks,
             host_blocks,
             linear=config.execution.linear,
+            forward=config.execution.forward,
         )
         self.model = model
         text_cfg = model.config.get_text_config()

@@ -151,17 +151,25 @@ def test_float32_greedy_with_prefix_cache_hits_is_token_exact(models, backend, m
             assert events["own_prefix"] > 0, events
 
 
-@pytest.mark.parametrize("layout", ["onednn", "standard"])
-@pytest.mark.parametrize("family", FAMILIES)
-def test_float32_greedy_is_token_exact_with_either_linear_kind(models, references, family, layout):
-    """oneDNN's packed products (the CPU default) sum in another order than F.linear; the tokens stay."""
+KINDS = [
+    (family, forward, linear)
+    for family in FAMILIES
+    for forward, linear in (("fused", "onednn"), ("fused", "standard"), ("hf", "standard"))
+    if forward == "hf" or family != "gpt2"  # the fused forward covers the Llama family
+]
+
+
+@pytest.mark.parametrize(("family", "forward", "layout"), KINDS)
+def test_float32_greedy_is_token_exact_with_either_forward_and_linear_kind(models, references, family, forward, layout):
+    """The fused forward (the default for the Llama family) and oneDNN's packed products (the CPU
+    default) sum in another order than HF's modules and F.linear; the tokens stay."""
     model = models[family]
     mix = MIXES["priority+chunked+swap"]
     config = EngineConfig.model_validate(
-        {**mix, "backend": {"name": "sdpa"}, "execution": {"linear": layout}}
+        {**mix, "backend": {"name": "sdpa"}, "execution": {"linear": layout, "forward": forward}}
     )
     engine = Engine(model, config=config)
-    assert engine.runner.linear.kind == layout
+    assert (engine.runner.model_forward, engine.runner.linear) == (forward, layout)
     outputs = engine.generate(PROMPTS, [SamplingParams(max_new_tokens=c) for c in CAPS])
     assert_equivalent(compare_greedy(model, outputs, references[family]))
 

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import pytest
+
 from cbcore import Engine, EngineConfig, SamplingParams
 
 
-def test_three_decodes_and_a_new_prompt_share_one_forward(models):
+@pytest.mark.parametrize("forward", ["fused", "hf"])
+def test_three_decodes_and_a_new_prompt_share_one_forward(models, forward):
     model = models["llama"]
-    engine = Engine(model, config=EngineConfig.model_validate({"backend": {"name": "eager"}}))
+    config = {"backend": {"name": "eager"}, "execution": {"forward": forward}}
+    engine = Engine(model, config=EngineConfig.model_validate(config))
     params = SamplingParams(max_new_tokens=8)
     for prompt in ([5, 6, 7], [8, 9], [10, 11, 12, 13]):
         engine.add_request(prompt, params)
@@ -15,7 +19,8 @@ def test_three_decodes_and_a_new_prompt_share_one_forward(models):
     engine.add_request([14, 15, 16, 17, 18], params)
 
     calls = []
-    handle = model.register_forward_hook(lambda module, args, kwargs_out: calls.append(1))
+    # Both forwards embed the step's tokens once: one call of the embedding is one forward.
+    handle = model.get_input_embeddings().register_forward_hook(lambda module, args, out: calls.append(1))
     try:
         outputs = engine.step()
     finally:

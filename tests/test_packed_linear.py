@@ -1,40 +1,71 @@
-"""The linear layers' oneDNN kind: used inside engine forwards only, refused by name where it cannot run."""
+"""The fused forward and its products: HF's numbers, the model left plain, refusals by name."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from cbcore import Engine, EngineConfig, SamplingParams
-from cbcore.execution.packed_linear import EXACT_ROWS, PAD_STEP, PIECE_ROWS, onednn_refusal, row_pieces
+from cbcore.execution.packed_linear import (
+    EXACT_ROWS,
+    PAD_STEP,
+    PIECE_ROWS,
+    Product,
+    onednn_refusal,
+    row_pieces,
+)
 from cbcore.testing.tiny_models import random_prompts, tiny_model
 
-pytestmark = pytest.mark.skipif(
-    onednn_refusal([nn.Linear(2, 2)]) is not None, reason="this torch build has no oneDNN linear"
+needs_onednn = pytest.mark.skipif(
+    onednn_refusal(torch.zeros(2, 2)) is not None, reason="this torch build has no oneDNN linear"
 )
 
 
-def _config(kind: str) -> EngineConfig:
-    return EngineConfig.model_validate({"execution": {"linear": kind}})
+def _config(linear: str = "auto", forward: str = "auto") -> EngineConfig:
+    return EngineConfig.model_validate({"execution": {"linear": linear, "forward": forward}})
 
 
-def test_auto_packs_float32_linears_and_leaves_the_model_plain_outside_the_engine():
-    model = tiny_model("llama")
-    engine = Engine(model, config=_config("auto"))
-    assert engine.runner.linear.kind == "onednn"
-    layer = model.model.layers[0].mlp.gate_proj
-    x = torch.randn(3, layer.in_features)
-    # Outside an engine forward the layer is exactly F.linear (generate() and the HF baselines use it).
-    assert torch.equal(layer(x), F.linear(x, layer.weight))
-    with engine.runner.linear.active():
-        routed = layer(x)
-    assert routed.shape == (3, layer.out_features)
-    assert torch.allclose(routed, F.linear(x, layer.weight), atol=1e-5)
-    ids = random_prompts(2, 4, 12, seed=3)
-    outs = engine.generate(ids, SamplingParams(max_new_tokens=5, ignore_eos=True))
+@needs_onednn
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+def test_the_fused_forward_gives_hf_modules_logits_and_leaves_the_model_plain(family):
+    """Same step, both forwards: the logits agree to rounding; the model still computes what it did."""
+    model = tiny_model(family)
+    prompts = random_prompts(3, 5, 30, seed=4)
+    before = model(torch.tensor([prompts[0]])).logits
+    captured: dict[str, list[torch.Tensor]] = {"fused": [], "hf": []}
+    for forward in ("fused", "hf"):
+        engine = Engine(model, config=_config(forward=forward))
+        assert engine.runner.model_forward == forward
+        run = engine.runner.forward
+        engine.runner.forward = lambda batch, run=run, into=captured[forward]: into.append(run(batch)) or into[-1]
+        engine.generate(prompts, SamplingParams(max_new_tokens=6, ignore_eos=True))
+    assert len(captured["fused"]) == len(captured["hf"]) > 1
+    for fused, hf in zip(captured["fused"], captured["hf"], strict=True):
+        assert torch.allclose(fused, hf, atol=1e-4, rtol=1e-4)
+    # The projections' weights are views of the joined tensors now: the same values, HF's forward unchanged.
+    assert torch.allclose(model(torch.tensor([prompts[0]])).logits, before, atol=1e-5)
+    attn = model.model.layers[0].self_attn
+    assert attn.k_proj.weight.untyped_storage().data_ptr() == attn.q_proj.weight.untyped_storage().data_ptr()
+
+
+def test_auto_runs_hf_modules_for_other_architectures_and_fused_refuses_them_by_name():
+    model = tiny_model("gpt2")
+    engine = Engine(model, config=_config())
+    assert (engine.runner.model_forward, engine.runner.linear) == ("hf", "standard")
+    with pytest.raises(ValueError, match=r"execution.forward 'fused' cannot run this model: .*GPT2LMHeadModel"):
+        Engine(model, config=_config(forward="fused"))
+    with pytest.raises(ValueError, match=r"execution.linear 'onednn' \(it multiplies in the fused forward\) cannot run this model: .*GPT2"):
+        Engine(model, config=_config(linear="onednn"))
+    outs = engine.generate(random_prompts(2, 4, 12, seed=3), SamplingParams(max_new_tokens=5, ignore_eos=True))
     assert all(len(o.output_token_ids) == 5 for o in outs)
+
+
+@needs_onednn
+def test_auto_packs_float32_weights_for_onednn():
+    engine = Engine(tiny_model("llama"), config=_config())
+    assert (engine.runner.model_forward, engine.runner.linear) == ("fused", "onednn")
+    assert engine.runner.fused.warmed > 0
 
 
 def test_any_row_count_reaches_onednn_as_one_of_few_shapes():
@@ -52,34 +83,28 @@ def test_any_row_count_reaches_onednn_as_one_of_few_shapes():
     assert len(counts) == EXACT_ROWS + (PIECE_ROWS - EXACT_ROWS) // PAD_STEP == 46
 
 
+@needs_onednn
 @pytest.mark.parametrize("rows", [1, 9, 128, 129, 256, 300, 520])
-def test_padded_and_pieced_products_equal_the_plain_product(rows):
-    model = tiny_model("llama")
-    engine = Engine(model, config=_config("onednn"))
-    layer = model.model.layers[0].mlp.down_proj
-    x = torch.randn(rows, layer.in_features)
-    with engine.runner.linear.active():
-        routed = layer(x)
-    assert routed.shape == (rows, layer.out_features) and routed.is_contiguous()
-    assert torch.allclose(routed, F.linear(x, layer.weight), atol=1e-5)
+@pytest.mark.parametrize("bias", [False, True])
+def test_padded_and_pieced_products_equal_the_plain_product(rows, bias):
+    torch.manual_seed(rows)
+    weight, b = torch.randn(48, 32), (torch.randn(48) if bias else None)
+    x = torch.randn(rows, 32)
+    out = Product(weight, b, onednn=True)(x)
+    assert out.shape == (rows, 48) and out.is_contiguous()
+    assert torch.allclose(out, F.linear(x, weight, b), atol=1e-5)
+    assert torch.equal(Product(weight, b, onednn=False)(x), F.linear(x, weight, b))
 
 
-def test_a_later_standard_engine_on_the_same_model_takes_the_routing_away():
-    model = tiny_model("llama")
-    Engine(model, config=_config("onednn"))
-    assert any("forward" in m.__dict__ for m in model.modules() if type(m) is nn.Linear)
-    engine = Engine(model, config=_config("standard"))
-    assert engine.runner.linear.kind == "standard"
-    assert not any("forward" in m.__dict__ for m in model.modules() if type(m) is nn.Linear)
-
-
+@needs_onednn
 def test_onednn_refuses_weights_it_cannot_pack_naming_them():
     model = tiny_model("llama", dtype=torch.float16)
     with pytest.raises(ValueError, match=r"execution.linear 'onednn' cannot run here: .*torch.float16"):
         Engine(model, config=_config("onednn"))
-    assert Engine(model, config=_config("auto")).runner.linear.kind == "standard"  # auto: the plain product
+    assert Engine(model, config=_config("auto")).runner.linear == "standard"  # auto: the plain product
 
 
-def test_an_unknown_linear_kind_is_a_config_error():
-    with pytest.raises(ValueError, match="linear"):
-        _config("skinny")
+@pytest.mark.parametrize(("field", "value"), [("linear", "skinny"), ("forward", "compiled")])
+def test_an_unknown_kind_is_a_config_error(field, value):
+    with pytest.raises(ValueError, match=field):
+        EngineConfig.model_validate({"execution": {field: value}})

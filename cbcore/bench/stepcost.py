@@ -113,7 +113,9 @@ class PrefillOnly:
         self.model(input_ids=self.prompt, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(dim=-1)
 
 
-def engine_config(width: int, context: int, steps: int, backend: str = "sdpa") -> EngineConfig:
+def engine_config(
+    width: int, context: int, steps: int, backend: str = "sdpa", forward: str = "auto"
+) -> EngineConfig:
     """A roomy pool for ``width`` sequences of ``context + steps`` tokens.
 
     The token budget takes every prompt in one step, so all sequences start decoding together, at
@@ -126,6 +128,7 @@ def engine_config(width: int, context: int, steps: int, backend: str = "sdpa") -
     return EngineConfig.model_validate(
         {
             "backend": {"name": backend},
+            "execution": {"forward": forward},
             # The mixed cell adds the same prompt every step: cached, it would be prefilled only once.
             "kv_cache": {"block_size": block, "num_blocks": blocks, "prefix_caching": False},
             "scheduler": {
@@ -169,9 +172,10 @@ class EngineDecode:
         backend: str = "sdpa",
         seed: int = 0,
         prefill: int = 0,
+        forward: str = "auto",
     ) -> None:
         seqs = width + 1 if prefill else width  # a mixed step's prompt runs beside the decodes
-        self.engine = Engine(model, None, engine_config(seqs, context + prefill, steps, backend))
+        self.engine = Engine(model, None, engine_config(seqs, context + prefill, steps, backend, forward))
         rng = random.Random(seed)
         vocab = self.engine.vocab_size
         # Long enough to outlast every timed step (the pool is sized for it), and no longer: a request
@@ -236,6 +240,21 @@ def decode_cell(
     return StepCost(width, context, threads, hf_s, cb_s)
 
 
+def forward_cell(
+    model: PreTrainedModel, width: int, context: int, threads: int, *, rounds: int = 3, steps: int = 3
+) -> StepCost:
+    """cbcore's decode step with its fused forward against the same step through HF's modules.
+
+    Both are whole engine steps on the same model; ``hf_s`` is the step with HF's modules.
+    """
+    with torch_threads(threads):
+        hf = EngineDecode(model, width, context, (rounds + 1) * steps, forward="hf")
+        fused = EngineDecode(model, width, context, (rounds + 1) * steps, forward="fused")
+        hf_s, fused_s = time_side_by_side([hf.step, fused.step], rounds, steps, step_clock(threads))
+        del hf, fused
+    return StepCost(width, context, threads, hf_s, fused_s, label="decode, fused (cbcore) vs HF modules (HF)")
+
+
 def mixed_cell(
     model: PreTrainedModel,
     width: int,
@@ -270,7 +289,7 @@ def format_table(cells: list[StepCost]) -> str:
         "|---|---:|---:|---:|---:|---:|",
     ]
     for c in cells:
-        what = f"decode x{c.width}" if c.label == "decode" else c.label
+        what = f"{c.label} x{c.width}" if c.label.startswith("decode") else c.label
         lines.append(
             f"| {what} | {c.context} | {c.threads} | {c.hf_s * 1e3:.1f} | {c.cbcore_s * 1e3:.1f} | {c.ratio:.2f} |"
         )

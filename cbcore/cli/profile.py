@@ -106,7 +106,7 @@ def refit(sources: list[str], out: str, force: bool = False) -> int:
         profiles.append(profile)
     first = profiles[0]
     for source, other in zip(sources[1:], profiles[1:], strict=True):
-        for field in ("hardware", "model", "dtype", "backend", "backend_variant", "threads", "linear"):
+        for field in ("hardware", "model", "dtype", "backend", "backend_variant", "threads", "linear", "forward"):
             mine, theirs = getattr(first.identity, field), getattr(other.identity, field)
             if mine != theirs:
                 raise CLIError(

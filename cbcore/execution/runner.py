@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from transformers import PreTrainedModel
@@ -13,11 +15,15 @@ from cbcore.execution.attention import AttentionContext, check_model_supported, 
 from cbcore.execution.backend import Backend
 from cbcore.execution.batch import FlatBatch, build_flat_batch
 from cbcore.execution.kv_cache import KVCache
-from cbcore.execution.packed_linear import LinearKind, PackedLinears
+from cbcore.execution.packed_linear import LinearKind, resolve_kind
 from cbcore.log import get_logger
+from cbcore.models.fused_decoder import FusedDecoder, fused_refusal
 from cbcore.scheduling.plan import StepPlan
 
 log = get_logger(__name__)
+
+#: ``auto``: cbcore's fused forward where the model is of its family, else HF's modules.
+ForwardKind = Literal["auto", "fused", "hf"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,7 @@ class ModelRunner:
         num_blocks: int,
         num_host_blocks: int = 0,
         linear: LinearKind = "auto",
+        forward: ForwardKind = "auto",
     ) -> None:
         check_model_supported(model)
         self.model = model.eval()
@@ -75,7 +82,22 @@ class ModelRunner:
             num_host_blocks=num_host_blocks,
         )
         self._attn = AttentionContext(backend, self.kv_cache)
-        self.linear = PackedLinears(self.model, linear)
+        why_hf = fused_refusal(model) if forward != "hf" else "asked for"
+        if why_hf is not None and (forward == "fused" or linear == "onednn"):
+            what = "forward 'fused'" if forward == "fused" else "linear 'onednn' (it multiplies in the fused forward)"
+            raise ValueError(f"execution.{what} cannot run this model: {why_hf}")
+        self.linear, why_standard = resolve_kind(linear, model.lm_head.weight) if why_hf is None else ("standard", None)
+        self.fused = FusedDecoder(model, self.linear == "onednn") if why_hf is None else None
+        self.model_forward: Literal["fused", "hf"] = "hf" if self.fused is None else "fused"
+        log.info(
+            "model forward",
+            forward=self.model_forward,
+            why_hf=why_hf if forward == "auto" else None,
+            linear=self.linear,
+            why_standard=why_standard,
+            warmed_products=getattr(self.fused, "warmed", 0),
+            warm_s=round(getattr(self.fused, "warm_s", 0.0), 2),
+        )
         self.num_forwards = 0
         log.info(
             "kv cache ready",
@@ -95,7 +117,10 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: FlatBatch) -> torch.Tensor:
         """One forward over the packed row; logits ``[S, vocab]`` for the sampling rows only."""
-        with routed_to_cbcore(self.model), self.linear.active():
+        self.num_forwards += 1
+        if self.fused is not None:
+            return self.fused(batch, functools.partial(self._attention, batch))
+        with routed_to_cbcore(self.model):
             out = self.model(
                 input_ids=batch.input_ids.unsqueeze(0),
                 position_ids=batch.positions.unsqueeze(0),
@@ -104,8 +129,14 @@ class ModelRunner:
                 cb_attn=self._attn,
                 logits_to_keep=batch.logits_indices,
             )
-        self.num_forwards += 1
         return out.logits[0]
+
+    def _attention(
+        self, batch: FlatBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, window: int | None,
+        scaling: float,
+    ) -> torch.Tensor:  # fmt: skip
+        self.kv_cache.write(layer, batch.slot_mapping, k, v)
+        return self.backend.forward(q, k, v, layer, batch, self.kv_cache, scaling, window)
 
     def swap(self, plan: StepPlan) -> None:
         """Apply the step's swap copies before anything overwrites the freed blocks."""

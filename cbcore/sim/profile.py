@@ -51,6 +51,11 @@ class Identity(BaseModel):
         description="How the linear layers multiplied while measured (CPU): a real run with the other "
         "kind has other step times. None in profiles written before packed oneDNN linears.",
     )
+    forward: Literal["fused", "hf"] | None = Field(
+        None,
+        description="Which code ran the model while measured (cbcore's fused forward or HF's modules). "
+        "None in profiles written before the fused forward (they ran HF's modules).",
+    )
 
     @model_validator(mode="before")
     @classmethod

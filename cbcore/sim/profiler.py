@@ -186,6 +186,7 @@ def make_profile(engine: Engine, model_name: str, grid: Grid = FULL, seed: int =
         source="measured",
         created=datetime.now(UTC).isoformat(timespec="seconds"),
         torch=torch.__version__,
-        linear=engine.runner.linear.kind,
+        linear=engine.runner.linear,
+        forward=engine.runner.model_forward,
     )
     return Profile(identity=identity, model=ModelShape.of(model_name, engine.model.config), cost=cost)

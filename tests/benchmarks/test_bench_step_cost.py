@@ -18,7 +18,7 @@ import os
 
 import pytest
 
-from cbcore.bench.stepcost import EngineDecode, StepCost, decode_cell, format_table, mixed_cell
+from cbcore.bench.stepcost import EngineDecode, StepCost, decode_cell, format_table, forward_cell, mixed_cell
 from cbcore.testing import tiny_model
 
 WIDTHS = [1, 2, 3, 4, 8, 16, 32, 64]
@@ -70,13 +70,25 @@ def _run(request, benchmark, cell_fn):
 @pytest.mark.parametrize("context", CONTEXTS)
 @pytest.mark.parametrize("width", WIDTHS)
 def test_decode_step(request, benchmark, model, width, context, threads):
+    _decode(request, benchmark, model, width, context, threads, decode_cell)
+
+
+@pytest.mark.parametrize("threads", THREADS)
+@pytest.mark.parametrize("context", CONTEXTS)
+@pytest.mark.parametrize("width", [1, 4, 16, 64])
+def test_fused_forward_against_hf_modules(request, benchmark, model, width, context, threads):
+    """The same engine step with the fused forward and through HF's modules (``hf_s``)."""
+    _decode(request, benchmark, model, width, context, threads, forward_cell)
+
+
+def _decode(request, benchmark, model, width, context, threads, cell):
     if not benchmark.enabled:
         if (width, context, threads) not in {(1, 128, 1), (3, 128, 1)}:
             pytest.skip("the full grid runs with --benchmark-enable")
         context = 24  # the tiny model's positions are few
     benchmark.group = f"decode ctx {context}"
     rounds, steps = (3, 1) if benchmark.enabled else (1, 1)
-    _run(request, benchmark, lambda: decode_cell(model, width, context, threads, rounds=rounds, steps=steps))
+    _run(request, benchmark, lambda: cell(model, width, context, threads, rounds=rounds, steps=steps))
 
 
 @pytest.mark.parametrize("threads", THREADS)

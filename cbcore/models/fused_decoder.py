@@ -1,0 +1,123 @@
+"""cbcore's own forward for the Llama family (Llama, Mistral, Qwen2): the packed step without HF's modules.
+
+HF's modules run a step op by op through about a dozen module calls per
+layer (norm, three projections, rotary, the attention interface, the MLP's
+three projections), each with its keyword plumbing: on the default model at
+one decoding sequence that Python was about a quarter of the step. This
+forward does the same arithmetic with fewer calls: q, k and v come from one
+product and gate and up from another (the model's weights become views of
+one tensor each, so nothing is copied and ``generate()`` sees the same
+model), the norms and rotary are the same elementwise ops in the same order
+as HF's (so the step's numbers are HF's own, which the equivalence tests
+hold it to), and attention is the configured backend over the paged cache.
+
+Only the exact HF classes below run here: a subclass or another architecture
+may change the math anywhere, so it runs HF's modules (``execution.forward``
+says which, and ``fused`` refuses, naming why).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import LlamaForCausalLM, MistralForCausalLM, PreTrainedModel, Qwen2ForCausalLM
+
+from cbcore.execution.batch import FlatBatch
+from cbcore.execution.packed_linear import Product, warm
+
+FAMILY = (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM)
+
+
+def fused_refusal(model: PreTrainedModel) -> str | None:
+    """Why this model cannot run the fused forward, or None."""
+    if type(model) not in FAMILY:
+        names = ", ".join(cls.__name__ for cls in FAMILY)
+        return f"it covers {names} exactly; this model is {type(model).__name__}"
+    return None
+
+
+def _joined(modules: list[nn.Linear], onednn: bool) -> Product:
+    """One product for several projections of the same input: their weights become views of one tensor."""
+    with torch.no_grad():
+        weight = torch.cat([m.weight for m in modules])
+        biases = [m.bias for m in modules]
+        bias = torch.cat(biases) if all(b is not None for b in biases) else None
+        if any(b is not None for b in biases) and bias is None:
+            raise ValueError("projections with and without bias cannot be joined")
+        start = 0
+        for m in modules:
+            rows = m.weight.shape[0]
+            m.weight.data = weight[start : start + rows]
+            if bias is not None:
+                m.bias.data = bias[start : start + rows]
+            start += rows
+    return Product(weight, bias, onednn)
+
+
+def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    """HF's RMSNorm of the Llama family, op for op (float32 inside, the weight applied in the input dtype)."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * h.to(x.dtype)
+
+
+class _Layer:
+    __slots__ = ("act", "down", "gate_up", "intermediate", "norm1", "norm2", "o", "qkv", "scaling", "window")
+
+    def __init__(self, layer: nn.Module, config: Any, onednn: bool) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.norm1, self.norm2 = layer.input_layernorm, layer.post_attention_layernorm
+        self.qkv = _joined([attn.q_proj, attn.k_proj, attn.v_proj], onednn)
+        self.o = Product(attn.o_proj.weight, attn.o_proj.bias, onednn)
+        self.gate_up = _joined([mlp.gate_proj, mlp.up_proj], onednn)
+        self.down = Product(mlp.down_proj.weight, mlp.down_proj.bias, onednn)
+        self.act: Callable[[torch.Tensor], torch.Tensor] = mlp.act_fn
+        self.intermediate = mlp.gate_proj.weight.shape[0]
+        self.scaling = attn.scaling
+        # Qwen2 decides per layer, Mistral per model, Llama has no window: what each passes HF's attention.
+        self.window = attn.sliding_window if hasattr(attn, "sliding_window") else getattr(config, "sliding_window", None)
+
+
+class FusedDecoder:
+    """The forward of one step for a Llama-family model: logits ``[S, vocab]`` of the sampling rows."""
+
+    def __init__(self, model: PreTrainedModel, onednn: bool) -> None:
+        """``model`` must be of :data:`FAMILY` (:func:`fused_refusal`)."""
+        config = model.config
+        inner = model.model
+        self.embed, self.rotary, self.norm = inner.embed_tokens, inner.rotary_emb, inner.norm
+        self.layers = [_Layer(layer, config, onednn) for layer in inner.layers]
+        self.head = Product(model.lm_head.weight, model.lm_head.bias, onednn)
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        products = [p for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        self.warmed, self.warm_s = warm(products, self.head)
+
+    @torch.inference_mode()
+    def __call__(self, batch: FlatBatch, attention: Callable[..., torch.Tensor]) -> torch.Tensor:
+        """``attention(q, k, v, layer, window, scaling)`` writes this step's keys and values and attends."""
+        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
+        q_end, k_end = heads * dim, (heads + kv_heads) * dim
+        h = self.embed(batch.input_ids)
+        tokens = len(h)
+        cos, sin = self.rotary(h[None], batch.positions[None])
+        cos, sin = cos[0, :, None, :], sin[0, :, None, :]
+        half = dim // 2
+
+        def rotate(x: torch.Tensor) -> torch.Tensor:  # HF's apply_rotary_pos_emb, on [T, heads, dim]
+            return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+        for index, layer in enumerate(self.layers):
+            qkv = layer.qkv(_rms_norm(h, layer.norm1))
+            qk = rotate(qkv[:, :k_end].view(tokens, heads + kv_heads, dim))  # q and k rotated as one
+            q, k = qk[:, :heads], qk[:, heads:]
+            v = qkv[:, k_end:].view(tokens, kv_heads, dim)
+            out = attention(q, k, v, index, layer.window, layer.scaling)
+            h = h + layer.o(out.reshape(tokens, q_end))
+            gate_up = layer.gate_up(_rms_norm(h, layer.norm2))
+            n = layer.intermediate
+            h = h + layer.down(layer.act(gate_up[:, :n]) * gate_up[:, n:])
+        return self.head(_rms_norm(h.index_select(0, batch.logits_indices), self.norm))
