@@ -5,7 +5,11 @@ generates ``W`` random ``C``-token prompts twice, once with ``--short`` and once
 with ``--long`` new tokens (greedy, EOS ignored, prefix caching off); the
 difference of the two wall times over the difference of the token counts is
 the time of one decode step of width ``W`` (prefill, start-up and the first
-steps cancel out). Both engines are offline and synchronous: cbcore's
+steps cancel out). cbcore's side times its steps directly instead: the median
+of the steps in which all ``W`` sequences decode (``StepStats.total_s``:
+schedule, pack, forward, sample), since on this engine the difference of two
+wall times carried the noise of two prefills of ``W x C`` tokens (one cell
+came out at 4 ms a step, a tenth of its neighbours). Both engines are offline and synchronous: cbcore's
 ``Engine.generate`` and vLLM's ``LLM.generate`` (compiled, its default), one
 engine per side for all cells (a batch limit of the widest cell, so ``W``
 prompts decode together), one engine process at a time, sides alternating
@@ -62,11 +66,25 @@ def cbcore_side(model_dir: str, cells: list[tuple[int, int]], short: int, long: 
         }
     )
     engine = Engine.from_pretrained(model_dir, config)
+    steps: list[float] = []
+    width_now = [0]
 
-    def generate(ps: list, n: int) -> None:
-        engine.generate(ps, SamplingParams(max_new_tokens=n, ignore_eos=True))
+    def record(step) -> None:  # a step of the cell's shape: every sequence decoding, no prefill
+        stats = step.stats
+        if stats.num_decode_tokens == width_now[0] and stats.num_prefill_tokens == 0:
+            steps.append(stats.total_s)
 
-    return {f"{w}x{c}": _timed(generate, prompts(w, c, engine.vocab_size, w * 7919 + c), short, long) for w, c in cells}
+    engine.step_listeners.append(record)
+
+    def timed(ps: list) -> float:
+        engine.generate(ps[:1], SamplingParams(max_new_tokens=2))  # warm: first-call costs of this shape
+        steps.clear()
+        width_now[0] = len(ps)
+        engine.generate(ps, SamplingParams(max_new_tokens=long, ignore_eos=True))
+        width_now[0] = 0
+        return statistics.median(steps)
+
+    return {f"{w}x{c}": timed(prompts(w, c, engine.vocab_size, w * 7919 + c)) for w, c in cells}
 
 
 def vllm_side(model_dir: str, cells: list[tuple[int, int]], short: int, long: int) -> dict[str, float]:
