@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pydantic import ValidationError
+from tqdm import tqdm
 
 from cbcore.config import EngineConfig
 from cbcore.log import get_logger
@@ -353,7 +354,7 @@ class EngineCore:
                     log.warning("request rejected", request_id=request_id, error=str(exc))
                     prompt_ids = prompt if isinstance(prompt, list) else []
                     done[request_id] = RequestOutput.rejected(request_id, list(prompt_ids), str(exc))
-            bar = _progress(progress, len(seqs))
+            bar = tqdm(total=len(seqs), unit="req", desc="generate", disable=not progress)
             while self.has_unfinished():
                 for output in self.step():
                     if output.finished:
@@ -386,16 +387,3 @@ def _expand(value: Any, n: int, what: str, single: Any, default: Any) -> list[An
     if len(value) != n:
         raise ValueError(f"{what}: got {len(value)} values for {n} prompts")
     return value
-
-
-def _progress(enabled: bool, total: int) -> Any:
-    if not enabled:
-        return _NoBar()
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit="req", desc="generate")
-
-
-class _NoBar:
-    def update(self, n: int) -> None: ...
-    def close(self) -> None: ...

@@ -40,6 +40,14 @@ class AttentionContext:
     backend: Backend
     kv_cache: KVCache
 
+    def attend(
+        self, batch: FlatBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+        window: int | None, scaling: float,
+    ) -> torch.Tensor:  # fmt: skip
+        """Store ``layer``'s keys and values of this step in the pool (once), then attend; ``[T, heads, D]``."""
+        self.kv_cache.write(layer, batch.slot_mapping, k, v)
+        return self.backend.forward(q, k, v, layer, batch, self.kv_cache, scaling, window)
+
 
 def cbcore_attention(
     module: torch.nn.Module,
@@ -66,15 +74,11 @@ def cbcore_attention(
             )
     if query.shape[0] != 1:
         raise ValueError(f"cbcore packs every step into one row; got a batch of {query.shape[0]}")
-    layer = module.layer_idx
     q = query[0].transpose(0, 1)  # [T, H, D]
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
-    cb_attn.kv_cache.write(layer, cb_batch.slot_mapping, k, v)
-    if scaling is None:
-        scaling = q.shape[-1] ** -0.5
-    out = cb_attn.backend.forward(q, k, v, layer, cb_batch, cb_attn.kv_cache, scaling, sliding_window)
-    return out.unsqueeze(0), None
+    scaling = q.shape[-1] ** -0.5 if scaling is None else scaling
+    return cb_attn.attend(cb_batch, q, k, v, module.layer_idx, sliding_window, scaling).unsqueeze(0), None
 
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:

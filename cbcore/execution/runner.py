@@ -119,7 +119,7 @@ class ModelRunner:
         """One forward over the packed row; logits ``[S, vocab]`` for the sampling rows only."""
         self.num_forwards += 1
         if self.fused is not None:
-            return self.fused(batch, functools.partial(self._attention, batch))
+            return self.fused(batch, functools.partial(self._attn.attend, batch))
         with routed_to_cbcore(self.model):
             out = self.model(
                 input_ids=batch.input_ids.unsqueeze(0),
@@ -130,13 +130,6 @@ class ModelRunner:
                 logits_to_keep=batch.logits_indices,
             )
         return out.logits[0]
-
-    def _attention(
-        self, batch: FlatBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, window: int | None,
-        scaling: float,
-    ) -> torch.Tensor:  # fmt: skip
-        self.kv_cache.write(layer, batch.slot_mapping, k, v)
-        return self.backend.forward(q, k, v, layer, batch, self.kv_cache, scaling, window)
 
     def swap(self, plan: StepPlan) -> None:
         """Apply the step's swap copies before anything overwrites the freed blocks."""

@@ -98,7 +98,8 @@ class FusedDecoder:
 
     @torch.inference_mode()
     def __call__(self, batch: FlatBatch, attention: Callable[..., torch.Tensor]) -> torch.Tensor:
-        """``attention(q, k, v, layer, window, scaling)`` writes this step's keys and values and attends."""
+        """``attention(q, k, v, layer, window, scaling)`` stores this step's keys and values and attends
+        (:meth:`cbcore.execution.attention.AttentionContext.attend`)."""
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         q_end, k_end = heads * dim, (heads + kv_heads) * dim
         h = self.embed(batch.input_ids)
