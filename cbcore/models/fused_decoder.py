@@ -28,7 +28,14 @@ from transformers import LlamaForCausalLM, MistralForCausalLM, PreTrainedModel, 
 from cbcore.execution.batch import FlatBatch
 from cbcore.execution.packed_linear import Product, warm
 
-FAMILY = (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM)
+#: The classes the fused forward runs, and the sliding window each passes HF's attention for a layer:
+#: Llama none (whatever its config holds), Mistral the config's, Qwen2 the layer's own.
+WINDOWS: dict[type, Callable[[nn.Module, Any], int | None]] = {
+    LlamaForCausalLM: lambda attn, config: None,
+    MistralForCausalLM: lambda attn, config: getattr(config, "sliding_window", None),
+    Qwen2ForCausalLM: lambda attn, config: attn.sliding_window,
+}
+FAMILY = tuple(WINDOWS)
 
 
 def fused_refusal(model: PreTrainedModel) -> str | None:
@@ -67,7 +74,7 @@ def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
 class _Layer:
     __slots__ = ("act", "down", "gate_up", "intermediate", "norm1", "norm2", "o", "qkv", "scaling", "window")
 
-    def __init__(self, layer: nn.Module, config: Any, onednn: bool) -> None:
+    def __init__(self, layer: nn.Module, config: Any, window: Callable[[nn.Module, Any], int | None], onednn: bool) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.norm1, self.norm2 = layer.input_layernorm, layer.post_attention_layernorm
         self.qkv = _joined([attn.q_proj, attn.k_proj, attn.v_proj], onednn)
@@ -77,8 +84,7 @@ class _Layer:
         self.act: Callable[[torch.Tensor], torch.Tensor] = mlp.act_fn
         self.intermediate = mlp.gate_proj.weight.shape[0]
         self.scaling = attn.scaling
-        # Qwen2 decides per layer, Mistral per model, Llama has no window: what each passes HF's attention.
-        self.window = attn.sliding_window if hasattr(attn, "sliding_window") else getattr(config, "sliding_window", None)
+        self.window = window(attn, config)
 
 
 class FusedDecoder:
@@ -89,7 +95,7 @@ class FusedDecoder:
         config = model.config
         inner = model.model
         self.embed, self.rotary, self.norm = inner.embed_tokens, inner.rotary_emb, inner.norm
-        self.layers = [_Layer(layer, config, onednn) for layer in inner.layers]
+        self.layers = [_Layer(layer, config, WINDOWS[type(model)], onednn) for layer in inner.layers]
         self.head = Product(model.lm_head.weight, model.lm_head.bias, onednn)
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
