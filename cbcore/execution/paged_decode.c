@@ -20,6 +20,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
     float s = 0.f;
@@ -32,6 +35,53 @@ static inline void add_scaled(float *restrict y, float p, const float *restrict 
 #pragma omp simd
     for (int64_t d = 0; d < n; d++) y[d] += p * x[d];
 }
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* Eight keys' dot products with one query at once (head_dim a multiple of 8): eight independent
+ * accumulators, then one transposing reduction, instead of eight dependent chains and eight
+ * horizontal sums. */
+static inline __m256 dot8(const float *restrict q, const float *restrict k, int64_t stride, int64_t n) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    for (int64_t d = 0; d < n; d += 8) {
+        const __m256 x = _mm256_loadu_ps(q + d);
+        a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + d), a0);
+        a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + stride + d), a1);
+        a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 2 * stride + d), a2);
+        a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 3 * stride + d), a3);
+        a4 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 4 * stride + d), a4);
+        a5 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 5 * stride + d), a5);
+        a6 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 6 * stride + d), a6);
+        a7 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 7 * stride + d), a7);
+    }
+    const __m256 t0 = _mm256_hadd_ps(a0, a1), t1 = _mm256_hadd_ps(a2, a3);
+    const __m256 t2 = _mm256_hadd_ps(a4, a5), t3 = _mm256_hadd_ps(a6, a7);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* y[0:n] += sum over `count` keys of w[l] * v[l * stride + 0:n] (n a multiple of 8): per 8 floats of the
+ * output four independent chains over the keys, so the multiply-adds do not wait on each other. */
+static inline void add_weighted8(float *restrict y, const float *restrict w, const float *restrict v, int64_t stride,
+                                 int64_t count, int64_t n) {
+    for (int64_t d = 0; d < n; d += 8) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        const float *x = v + d;
+        int64_t l = 0;
+        for (; l + 4 <= count; l += 4, x += 4 * stride) {
+            a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(w + l), _mm256_loadu_ps(x), a0);
+            a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(w + l + 1), _mm256_loadu_ps(x + stride), a1);
+            a2 = _mm256_fmadd_ps(_mm256_broadcast_ss(w + l + 2), _mm256_loadu_ps(x + 2 * stride), a2);
+            a3 = _mm256_fmadd_ps(_mm256_broadcast_ss(w + l + 3), _mm256_loadu_ps(x + 3 * stride), a3);
+        }
+        for (; l < count; l++, x += stride) a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(w + l), _mm256_loadu_ps(x), a0);
+        const __m256 sum = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+        _mm256_storeu_ps(y + d, _mm256_add_ps(_mm256_loadu_ps(y + d), sum));
+    }
+}
+#define HAVE_DOT8 1
+#else
+#define HAVE_DOT8 0
+#endif
 
 /* First slot of position `pos` and how many positions from it lie in the same block (at most `left`). */
 static inline int64_t run_at(const int32_t *table, int64_t block_size, int64_t pos, int64_t left, int64_t *run) {
@@ -91,7 +141,16 @@ int cb_paged_decode_f32(const float *query, const float *k_pool, const float *v_
                 /* Scores, one pass over the keys. */
                 for (int64_t pos = start, l = 0; pos < start + n; pos += run) {
                     const float *k = k_pool + run_at(table, block_size, pos, start + n - pos, &run) * slot_stride;
-                    for (int64_t i = 0; i < run; i++, l++, k += slot_stride)
+                    int64_t i = 0;
+#if HAVE_DOT8
+                    if (head_dim % 8 == 0)
+                        for (; i + 8 <= run; i += 8, l += 8, k += 8 * slot_stride)
+                            for (int64_t h = h0; h < h1; h++) {
+                                const __m256 s = dot8(q + h * head_dim, k + (h / group) * head_dim, slot_stride, head_dim);
+                                _mm256_storeu_ps(weights + h * n + l, _mm256_mul_ps(s, _mm256_set1_ps(scale)));
+                            }
+#endif
+                    for (; i < run; i++, l++, k += slot_stride)
                         for (int64_t h = h0; h < h1; h++)
                             weights[h * n + l] = dot(q + h * head_dim, k + (h / group) * head_dim, head_dim) * scale;
                 }
@@ -108,11 +167,19 @@ int cb_paged_decode_f32(const float *query, const float *k_pool, const float *v_
                     for (int64_t d = 0; d < head_dim; d++) acc[h * head_dim + d] = 0.f;
                 }
                 /* Weighted values, one pass. */
-                for (int64_t pos = start, l = 0; pos < start + n; pos += run) {
+                for (int64_t pos = start, l = 0; pos < start + n; pos += run, l += run) {
                     const float *v = v_pool + run_at(table, block_size, pos, start + n - pos, &run) * slot_stride;
-                    for (int64_t i = 0; i < run; i++, l++, v += slot_stride)
+#if HAVE_DOT8
+                    if (head_dim % 8 == 0) {
                         for (int64_t h = h0; h < h1; h++)
-                            add_scaled(acc + h * head_dim, weights[h * n + l], v + (h / group) * head_dim, head_dim);
+                            add_weighted8(acc + h * head_dim, weights + h * n + l, v + (h / group) * head_dim,
+                                          slot_stride, run, head_dim);
+                        continue;
+                    }
+#endif
+                    for (int64_t i = 0; i < run; i++, v += slot_stride)
+                        for (int64_t h = h0; h < h1; h++)
+                            add_scaled(acc + h * head_dim, weights[h * n + l + i], v + (h / group) * head_dim, head_dim);
                 }
                 for (int64_t h = h0; h < h1; h++) {
                     float *o = out + (row * heads + h) * head_dim;

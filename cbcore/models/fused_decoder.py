@@ -7,9 +7,9 @@ one decoding sequence that Python was about a quarter of the step. This
 forward does the same arithmetic with fewer calls: q, k and v come from one
 product and gate and up from another (the model's weights become views of
 one tensor each, so nothing is copied and ``generate()`` sees the same
-model), the norms and rotary are the same elementwise ops in the same order
-as HF's (so the step's numbers are HF's own, which the equivalence tests
-hold it to), and attention is the configured backend over the paged cache.
+model), the norms, rotary and activation are one C call each where the
+kernel runs (:mod:`cbcore.models.decoder_ops`; else HF's ops in HF's
+order), and attention is the configured backend over the paged cache.
 
 Only the exact HF classes below run here: a subclass or another architecture
 may change the math anywhere, so it runs HF's modules (``execution.forward``
@@ -27,6 +27,10 @@ from transformers import LlamaForCausalLM, MistralForCausalLM, PreTrainedModel, 
 
 from cbcore.execution.batch import FlatBatch
 from cbcore.execution.packed_linear import Product, warm
+from cbcore.log import get_logger
+from cbcore.models.decoder_ops import NativeOps, TorchOps, native_refusal
+
+log = get_logger(__name__)
 
 #: The classes the fused forward runs, and the sliding window each passes HF's attention for a layer:
 #: Llama none (whatever its config holds), Mistral the config's, Qwen2 the layer's own.
@@ -64,17 +68,12 @@ def _joined(modules: list[nn.Linear], onednn: bool) -> Product:
     return Product(weight, bias, onednn)
 
 
-def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
-    """HF's RMSNorm of the Llama family, op for op (float32 inside, the weight applied in the input dtype)."""
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-    return norm.weight * h.to(x.dtype)
-
-
 class _Layer:
-    __slots__ = ("act", "down", "gate_up", "intermediate", "norm1", "norm2", "o", "qkv", "scaling", "window")
+    __slots__ = ("act", "down", "gate_up", "norm1", "norm2", "o", "qkv", "scaling", "window")
 
-    def __init__(self, layer: nn.Module, config: Any, window: Callable[[nn.Module, Any], int | None], onednn: bool) -> None:
+    def __init__(
+        self, layer: nn.Module, config: Any, window: Callable[[nn.Module, Any], int | None], onednn: bool
+    ) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.norm1, self.norm2 = layer.input_layernorm, layer.post_attention_layernorm
         self.qkv = _joined([attn.q_proj, attn.k_proj, attn.v_proj], onednn)
@@ -82,7 +81,6 @@ class _Layer:
         self.gate_up = _joined([mlp.gate_proj, mlp.up_proj], onednn)
         self.down = Product(mlp.down_proj.weight, mlp.down_proj.bias, onednn)
         self.act: Callable[[torch.Tensor], torch.Tensor] = mlp.act_fn
-        self.intermediate = mlp.gate_proj.weight.shape[0]
         self.scaling = attn.scaling
         self.window = window(attn, config)
 
@@ -90,8 +88,8 @@ class _Layer:
 class FusedDecoder:
     """The forward of one step for a Llama-family model: logits ``[S, vocab]`` of the sampling rows."""
 
-    def __init__(self, model: PreTrainedModel, onednn: bool) -> None:
-        """``model`` must be of :data:`FAMILY` (:func:`fused_refusal`)."""
+    def __init__(self, model: PreTrainedModel, onednn: bool, native: bool = True) -> None:
+        """``model`` must be of :data:`FAMILY` (:func:`fused_refusal`); ``native=False``: HF's own ops."""
         config = model.config
         inner = model.model
         self.embed, self.rotary, self.norm = inner.embed_tokens, inner.rotary_emb, inner.norm
@@ -101,30 +99,32 @@ class FusedDecoder:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         products = [p for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         self.warmed, self.warm_s = warm(products, self.head)
+        why_torch = native_refusal(model, self.head_dim) if native else "asked for"
+        self.ops: type[NativeOps] | type[TorchOps] = NativeOps if why_torch is None else TorchOps
+        log.debug("fused forward glue", ops=self.ops.name, why_torch=why_torch)
 
     @torch.inference_mode()
     def __call__(self, batch: FlatBatch, attention: Callable[..., torch.Tensor]) -> torch.Tensor:
         """``attention(q, k, v, layer, window, scaling)`` stores this step's keys and values and attends
         (:meth:`cbcore.execution.attention.AttentionContext.attend`)."""
-        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
+        heads, kv_heads, dim, ops = self.heads, self.kv_heads, self.head_dim, self.ops
         q_end, k_end = heads * dim, (heads + kv_heads) * dim
         h = self.embed(batch.input_ids)
         tokens = len(h)
         cos, sin = self.rotary(h[None], batch.positions[None])
-        cos, sin = cos[0, :, None, :], sin[0, :, None, :]
-        half = dim // 2
-
-        def rotate(x: torch.Tensor) -> torch.Tensor:  # HF's apply_rotary_pos_emb, on [T, heads, dim]
-            return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
+        cos, sin = cos[0], sin[0]
+        delta = None  # what the previous layer adds to h, added together with the next norm
         for index, layer in enumerate(self.layers):
-            qkv = layer.qkv(_rms_norm(h, layer.norm1))
-            qk = rotate(qkv[:, :k_end].view(tokens, heads + kv_heads, dim))  # q and k rotated as one
+            qkv = layer.qkv(ops.add_norm(h, delta, layer.norm1))
+            qk = ops.rotate(qkv[:, :k_end].view(tokens, heads + kv_heads, dim), cos, sin)  # q and k as one
             q, k = qk[:, :heads], qk[:, heads:]
             v = qkv[:, k_end:].view(tokens, kv_heads, dim)
             out = attention(q, k, v, index, layer.window, layer.scaling)
-            h = h + layer.o(out.reshape(tokens, q_end))
-            gate_up = layer.gate_up(_rms_norm(h, layer.norm2))
-            n = layer.intermediate
-            h = h + layer.down(layer.act(gate_up[:, :n]) * gate_up[:, n:])
-        return self.head(_rms_norm(h.index_select(0, batch.logits_indices), self.norm))
+            gate_up = layer.gate_up(ops.add_norm(h, layer.o(out.reshape(tokens, q_end)), layer.norm2))
+            delta = layer.down(ops.silu_mul(gate_up, layer.act))
+        rows = batch.logits_indices
+        return self.head(
+            ops.add_norm(
+                h.index_select(0, rows), None if delta is None else delta.index_select(0, rows), self.norm
+            )
+        )
