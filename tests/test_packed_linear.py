@@ -14,6 +14,7 @@ from cbcore.execution.packed_linear import (
     Product,
     onednn_refusal,
     row_pieces,
+    small_gemm_refusal,
 )
 from cbcore.testing.tiny_models import random_prompts, tiny_model
 
@@ -113,3 +114,26 @@ def test_onednn_refuses_weights_it_cannot_pack_naming_them():
 def test_an_unknown_kind_is_a_config_error(field, value):
     with pytest.raises(ValueError, match=field):
         EngineConfig.model_validate({"execution": {field: value}})
+
+
+needs_small_gemm = pytest.mark.skipif(
+    small_gemm_refusal(torch.zeros(2, 2)) is not None, reason="small_gemm.c cannot run here"
+)
+
+
+@needs_small_gemm
+@pytest.mark.parametrize(("n", "k"), [(48, 64), (37, 21), (3, 8)])  # rows and depth off the kernel's blocks
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_small_row_kernel_multiplies_like_torch_and_each_row_alone(n, k, with_bias):
+    torch.manual_seed(n + k)
+    weight, bias = torch.randn(n, k), torch.randn(n) if with_bias else None
+    product = Product(weight, bias, onednn=True)
+    assert product.small
+    x = torch.randn(EXACT_ROWS, k)
+    for rows in range(1, EXACT_ROWS + 1):
+        got = product(x[:rows])
+        torch.testing.assert_close(got, F.linear(x[:rows], weight, bias), atol=1e-5, rtol=1e-5)
+    # A row's result does not depend on which other rows share the step.
+    alone = torch.cat([product(x[i : i + 1]) for i in range(EXACT_ROWS)])
+    assert torch.equal(product(x), alone)
+    assert small_gemm_refusal(weight.double()) is not None
