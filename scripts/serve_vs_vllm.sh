@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Serving throughput and latency of three servers on the same model under the same guidellm load:
-# vLLM's CPU build (compiled, its default), `cb serve` (default config) and
+# vLLM's CPU build (compiled, its default), `cb serve` (default config; and cbcore-vllm-limits:
+# with vLLM's CPU server limits, 128 sequences and 2,048 tokens a step) and
 # `transformers serve --continuous-batching`. One server at a time, alone on the machine: start,
 # wait for /v1/models, one warm-up request, guidellm at 1 stream (single-stream ITL) and at each
 # of $STREAMS concurrent streams, stop, wait for the port to be free, next server.
@@ -9,7 +10,7 @@
 # Prints one markdown table; guidellm's JSON reports and logs and the server logs stay in $OUT.
 #
 # Usage: scripts/serve_vs_vllm.sh   (from anywhere), settings in the environment:
-#   SERVERS="vllm cbcore transformers"   which servers, in this order
+#   SERVERS="vllm cbcore cbcore-vllm-limits transformers"   which servers, in this order
 #   STREAMS="16 64"                      concurrent streams, one guidellm run each
 #   REQUESTS=                            requests per run (default: max(48, 3 x streams))
 #   SINGLE_REQUESTS=8                    requests of the 1-stream run
@@ -22,7 +23,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 
-SERVERS=${SERVERS:-vllm cbcore transformers}
+SERVERS=${SERVERS:-vllm cbcore cbcore-vllm-limits transformers}
+# vLLM's defaults for its OpenAI server on a CPU (vllm/engine/arg_utils.py, get_batch_defaults).
+VLLM_LIMITS="--set scheduler.budget.max_num_seqs=128 --set scheduler.budget.max_num_batched_tokens=2048"
 STREAMS=${STREAMS:-16 64}
 SINGLE_REQUESTS=${SINGLE_REQUESTS:-8}
 CB_ARGS=${CB_ARGS:-}
@@ -90,9 +93,11 @@ start_server() {
         "$VLLM_VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$MODEL" --dtype float32 \
         --host 127.0.0.1 --port "$2" --max-model-len 2048 --block-size 32 >"$log" 2>&1 &
       ;;
-    cbcore)
-      # shellcheck disable=SC2086  # CB_ARGS is a list of words
-      setsid "$VENV/bin/cb" serve "${MODEL_FLAG[@]}" --host 127.0.0.1 --port "$2" $CB_ARGS >"$log" 2>&1 &
+    cbcore | cbcore-vllm-limits)
+      local limits=
+      [ "$1" = cbcore ] || limits=$VLLM_LIMITS
+      # shellcheck disable=SC2086  # CB_ARGS and the limits are lists of words
+      setsid "$VENV/bin/cb" serve "${MODEL_FLAG[@]}" --host 127.0.0.1 --port "$2" $limits $CB_ARGS >"$log" 2>&1 &
       ;;
     transformers)
       # shellcheck disable=SC2086
@@ -103,7 +108,7 @@ start_server() {
       setsid "$GLV/bin/guidellm" mock-server --host 127.0.0.1 --port "$2" --model mock \
         --ttft-ms 40 --itl-ms 10 --output-tokens 200 >"$log" 2>&1 &
       ;;
-    *) echo "unknown server '$1' (SERVERS: vllm cbcore transformers)" >&2; return 1 ;;
+    *) echo "unknown server '$1' (SERVERS: vllm cbcore cbcore-vllm-limits transformers)" >&2; return 1 ;;
   esac
   SERVER_PID=$!
 }
