@@ -23,7 +23,9 @@ from test_serve_load import metric
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cbcore import Engine, EngineConfig, SamplingParams
+from cbcore.serve.launch import ServerProcess
 from cbcore.serve.protocol import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from cbcore.testing.tiny_tokenizer import save_tiny_model_dir
 
 AUTH = {"Authorization": f"Bearer {SERVE_KEY}", "Content-Type": "application/json"}
 
@@ -64,28 +66,54 @@ def test_a_lone_surrogate_is_a_400_naming_the_field(http, model_name):
     assert "\\ud83d\\ude00" in pair and http.post("completions", content=pair).status_code == 200
 
 
-def test_a_client_hanging_up_on_a_plain_request_is_aborted_without_a_traceback(tiny_server, http, model_name):
-    start = len(tiny_server.log_text())
-    aborts0 = metric(httpx.get(tiny_server.url + "/metrics").text, 'cbcore:request_success_total{finished_reason="abort"', 0)
-    body = {"model": model_name, "prompt": [5, 6, 7], "max_tokens": 400, "ignore_eos": True}
+@pytest.fixture(scope="module")
+def long_context_server(tmp_path_factory):
+    """`cb serve` on the tiny model given 16k positions: a request that outlasts any disconnect poll.
+
+    (At the tiny model's 512 positions a whole request takes under a second on a fast machine, so
+    it could end normally before its handler looks for the disconnect.)"""
+    path = save_tiny_model_dir(tmp_path_factory.mktemp("cb-tiny-long"), "llama")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 16384}))
+    args = [
+        "--model",
+        str(path),
+        "--api-key",
+        SERVE_KEY,
+        "--threads",
+        "1",
+        "--set",
+        "kv_cache.num_blocks=4200",
+    ]
+    with ServerProcess(args, env={"OMP_NUM_THREADS": "1"}) as server:
+        yield server
+
+
+def test_a_client_hanging_up_on_a_plain_request_is_aborted_without_a_traceback(long_context_server):
+    server = long_context_server
+    start = len(server.log_text())
+    model = httpx.get(server.url + "/v1/models", headers=AUTH).json()["data"][0]["id"]
+    body = {"model": model, "prompt": [5, 6, 7], "max_tokens": 16000, "ignore_eos": True}
     for _ in range(4):
         with pytest.raises(httpx.ReadTimeout):
-            httpx.post(tiny_server.url + "/v1/completions", json=body, headers=AUTH, timeout=0.3)
+            httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=0.3)
     deadline = time.monotonic() + 60
     while True:  # each is aborted once its handler sees the disconnect (polled every 0.5 s)
-        text = httpx.get(tiny_server.url + "/metrics").text
+        text = httpx.get(server.url + "/metrics").text
         aborts = metric(text, 'cbcore:request_success_total{finished_reason="abort"', 0)
-        if aborts - aborts0 >= 4 or time.monotonic() > deadline:
+        if aborts >= 4 or time.monotonic() > deadline:
             break
         time.sleep(0.2)
-    assert aborts - aborts0 >= 4  # (a stream an earlier test closed may be counted meanwhile too)
-    log = tiny_server.log_text()[start:]
+    assert aborts == 4 and metric(text, 'cbcore:request_success_total{finished_reason="length"', 0) == 0
+    log = server.log_text()[start:]
     assert "Traceback" not in log and "InvalidStateError" not in log, log[-3000:]
 
 
 def test_stop_is_capped_and_works_at_the_cap(http, model_name, client):
     base = {"model": model_name, "prompt": "the capital of France is", "max_tokens": 24, "temperature": 0}
-    error = refusal(http.post("completions", json={**base, "stop": [f"s{i}" for i in range(MAX_STOP_STRINGS + 1)]}))
+    error = refusal(
+        http.post("completions", json={**base, "stop": [f"s{i}" for i in range(MAX_STOP_STRINGS + 1)]})
+    )
     assert error["param"] == "stop" and f"at most {MAX_STOP_STRINGS}" in error["message"]
     error = refusal(http.post("completions", json={**base, "stop": ["x" * (MAX_STOP_CHARS + 1)]}))
     assert error["param"] == "stop" and f"at most {MAX_STOP_CHARS}" in error["message"]
@@ -96,7 +124,9 @@ def test_stop_is_capped_and_works_at_the_cap(http, model_name, client):
     assert (cut.text, cut.finish_reason) == (full[: full.index(full[2:4])], "stop")
 
 
-def test_a_length_cut_inside_a_character_ends_the_text_before_it(tiny_server, cb_tiny_model_dir, client, model_name):
+def test_a_length_cut_inside_a_character_ends_the_text_before_it(
+    tiny_server, cb_tiny_model_dir, client, model_name
+):
     tok = AutoTokenizer.from_pretrained(cb_tiny_model_dir)
     engine = Engine(AutoModelForCausalLM.from_pretrained(cb_tiny_model_dir), None, EngineConfig())
     prompts = [tok.encode(w) for w in ("🙂 🎉", "東京 日本語", "café crème", "résumé Zürich", "the capital")]
@@ -125,14 +155,22 @@ def test_the_smaller_answers_match_openai(tiny_server, http, model_name, client)
     assert client.completions.create(**base, temperature=0, top_p=0.9).choices[0].text == greedy
     chat = {"model": model_name, "messages": [{"role": "user", "content": [{"type": "text"}]}]}
     error = refusal(http.post("chat/completions", json=chat))
-    assert error["param"] == "messages" and "content[0]: a 'text' part needs a string field 'text'" in error["message"]
+    assert (
+        error["param"] == "messages"
+        and "content[0]: a 'text' part needs a string field 'text'" in error["message"]
+    )
     error = refusal(http.get("completions"), 405)
-    assert error["type"] == "invalid_request_error" and error["message"] == "GET is not allowed on /v1/completions; use POST"
+    assert (
+        error["type"] == "invalid_request_error"
+        and error["message"] == "GET is not allowed on /v1/completions; use POST"
+    )
     error = refusal(http.get("nowhere"), 404)
     assert error["type"] == "not_found_error" and "/v1/nowhere" in error["message"]
     resp = http.post("completions", json={**base, "max_tokens": None, "ignore_eos": True}).json()
     assert resp["usage"]["completion_tokens"] == 16  # null is OpenAI's default, 16
     error = refusal(http.post("completions", json={**base, "stream_options": {"include_usage": True}}))
     assert error["param"] == "stream_options" and "only allowed when stream is true" in error["message"]
-    stream = http.post("completions", json={**base, "stream": True, "stream_options": {"include_usage": True}})
+    stream = http.post(
+        "completions", json={**base, "stream": True, "stream_options": {"include_usage": True}}
+    )
     assert stream.status_code == 200 and stream.text.rstrip().endswith("data: [DONE]")
