@@ -13,7 +13,8 @@ weight that fits no cache, so its time is memory bandwidth, and there
 ``small_gemm.c`` (cbcore's own, four weight rows at a time, built like every
 cbcore kernel) multiplies from the model's own weights: 18 ms against
 oneDNN's 27 for the default model's products at one row, about 5 % less at
-16 rows (2-core AVX2 host). Where it cannot be built, oneDNN multiplies.
+16 rows (2-core AVX2 host). Where it cannot be built, oneDNN multiplies (the
+``fused forward kernels`` log line says which, and why).
 
 The products are the same dot products summed in another order (last-bit
 differences, covered by the equivalence tests like any change of batch shape).

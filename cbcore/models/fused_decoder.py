@@ -26,7 +26,7 @@ from torch import nn
 from transformers import LlamaForCausalLM, MistralForCausalLM, PreTrainedModel, Qwen2ForCausalLM
 
 from cbcore.execution.batch import FlatBatch
-from cbcore.execution.packed_linear import Product, warm
+from cbcore.execution.packed_linear import Product, small_gemm_refusal, warm
 from cbcore.log import get_logger
 from cbcore.models.decoder_ops import NativeOps, TorchOps, native_refusal
 
@@ -101,7 +101,13 @@ class FusedDecoder:
         self.warmed, self.warm_s = warm(products, self.head)
         why_torch = native_refusal(model, self.head_dim) if native else "asked for"
         self.ops: type[NativeOps] | type[TorchOps] = NativeOps if why_torch is None else TorchOps
-        log.debug("fused forward glue", ops=self.ops.name, why_torch=why_torch)
+        log.info(
+            "fused forward kernels",
+            glue=self.ops.name,
+            why_torch=why_torch if native else None,
+            decode_products="small_gemm" if self.head.small else ("onednn" if onednn else "standard"),
+            why_onednn=small_gemm_refusal(self.head.weight) if onednn and not self.head.small else None,
+        )
 
     @torch.inference_mode()
     def __call__(self, batch: FlatBatch, attention: Callable[..., torch.Tensor]) -> torch.Tensor:
