@@ -101,3 +101,22 @@ def test_a_failed_build_says_why(fresh_kernel, monkeypatch):
 def test_paged_refuses_a_setup_it_does_not_run():
     with pytest.raises(BackendUnavailable, match=r"runs on the CPU in float32, the model is torch\.bfloat16"):
         SdpaBackend(SdpaBackend.Params(decode="paged")).check(torch.device("cpu"), 16, torch.bfloat16)
+
+
+@pytest.mark.parametrize("spread", [1.0, 40.0])  # 40: most weights underflow beside the largest
+def test_paged_decode_matches_a_plain_softmax_at_any_score_spread(spread):
+    """Scores far below a row's largest go to zero, as a float softmax gives them; the rest match."""
+    torch.manual_seed(1)
+    heads, kv_heads, head_dim, block_size, n = 6, 2, 64, 16, 45  # 45: a partial block and a tail of keys
+    k = torch.randn(4 * block_size, kv_heads, head_dim)
+    v = torch.randn(4 * block_size, kv_heads, head_dim)
+    q = torch.randn(1, heads, head_dim) * spread
+    tables = torch.tensor([[2, 0, 3]], dtype=torch.int32)
+    rows = paged_decode.PagedRows(tables, torch.zeros(1, dtype=torch.long), torch.tensor([n]), block_size)
+    got = paged_decode.paged_decode(q, k, v, rows, SCALE)
+    slots = (tables[0].long()[:, None] * block_size + torch.arange(block_size)).reshape(-1)[:n]
+    keys = k[slots].repeat_interleave(heads // kv_heads, dim=1)  # [n, heads, D]
+    values = v[slots].repeat_interleave(heads // kv_heads, dim=1)
+    weights = (torch.einsum("hd,nhd->hn", q[0].double(), keys.double()) * SCALE).softmax(-1)
+    expected = torch.einsum("hn,nhd->hd", weights, values.double()).float()
+    torch.testing.assert_close(got[0], expected, atol=2e-5, rtol=1e-4)

@@ -59,24 +59,59 @@ static inline __m256 dot8(const float *restrict q, const float *restrict k, int6
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-/* y[0:n] += sum over `count` keys of w[l] * v[l * stride + 0:n] (n a multiple of 8): per 8 floats of the
- * output four independent chains over the keys, so the multiply-adds do not wait on each other. */
+/* y[0:n] += sum over `count` keys of w[l] * v[l * stride + 0:n] (n a multiple of 8). Key by key, so each
+ * value record is read front to back once; 64 floats of y at a time stay in registers. */
 static inline void add_weighted8(float *restrict y, const float *restrict w, const float *restrict v, int64_t stride,
                                  int64_t count, int64_t n) {
-    for (int64_t d = 0; d < n; d += 8) {
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t d = 0;
+    for (; d + 64 <= n; d += 64) {
+        __m256 a0 = _mm256_loadu_ps(y + d), a1 = _mm256_loadu_ps(y + d + 8), a2 = _mm256_loadu_ps(y + d + 16),
+               a3 = _mm256_loadu_ps(y + d + 24), a4 = _mm256_loadu_ps(y + d + 32), a5 = _mm256_loadu_ps(y + d + 40),
+               a6 = _mm256_loadu_ps(y + d + 48), a7 = _mm256_loadu_ps(y + d + 56);
         const float *x = v + d;
-        int64_t l = 0;
-        for (; l + 4 <= count; l += 4, x += 4 * stride) {
-            a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(w + l), _mm256_loadu_ps(x), a0);
-            a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(w + l + 1), _mm256_loadu_ps(x + stride), a1);
-            a2 = _mm256_fmadd_ps(_mm256_broadcast_ss(w + l + 2), _mm256_loadu_ps(x + 2 * stride), a2);
-            a3 = _mm256_fmadd_ps(_mm256_broadcast_ss(w + l + 3), _mm256_loadu_ps(x + 3 * stride), a3);
+        for (int64_t l = 0; l < count; l++, x += stride) {
+            const __m256 p = _mm256_broadcast_ss(w + l);
+            a0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(x), a0);
+            a1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(x + 8), a1);
+            a2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(x + 16), a2);
+            a3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(x + 24), a3);
+            a4 = _mm256_fmadd_ps(p, _mm256_loadu_ps(x + 32), a4);
+            a5 = _mm256_fmadd_ps(p, _mm256_loadu_ps(x + 40), a5);
+            a6 = _mm256_fmadd_ps(p, _mm256_loadu_ps(x + 48), a6);
+            a7 = _mm256_fmadd_ps(p, _mm256_loadu_ps(x + 56), a7);
         }
-        for (; l < count; l++, x += stride) a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(w + l), _mm256_loadu_ps(x), a0);
-        const __m256 sum = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
-        _mm256_storeu_ps(y + d, _mm256_add_ps(_mm256_loadu_ps(y + d), sum));
+        _mm256_storeu_ps(y + d, a0), _mm256_storeu_ps(y + d + 8, a1), _mm256_storeu_ps(y + d + 16, a2);
+        _mm256_storeu_ps(y + d + 24, a3), _mm256_storeu_ps(y + d + 32, a4), _mm256_storeu_ps(y + d + 40, a5);
+        _mm256_storeu_ps(y + d + 48, a6), _mm256_storeu_ps(y + d + 56, a7);
     }
+    for (; d < n; d += 8) {
+        __m256 a = _mm256_loadu_ps(y + d);
+        const float *x = v + d;
+        for (int64_t l = 0; l < count; l++, x += stride) a = _mm256_fmadd_ps(_mm256_broadcast_ss(w + l), _mm256_loadu_ps(x), a);
+        _mm256_storeu_ps(y + d, a);
+    }
+}
+
+/* e^x for x <= 0 (a softmax's shifted scores), eight at once: x = n ln2 + r with |r| <= ln2 / 2, e^r by
+ * a degree-6 polynomial (Cephes' expf coefficients), times 2^n through the exponent bits. Within 1 ulp
+ * of expf above -86.5 (checked at every 1e-6 step); 0 below, where e^x < 3e-38 is nothing beside the
+ * softmax's largest weight, 1. */
+static inline __m256 exp8(__m256 x) {
+    const __m256 tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-86.5f), _CMP_LT_OQ);
+    x = _mm256_max_ps(x, _mm256_set1_ps(-86.5f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
 }
 #define HAVE_DOT8 1
 #else
@@ -144,11 +179,12 @@ int cb_paged_decode_f32(const float *query, const float *k_pool, const float *v_
                     int64_t i = 0;
 #if HAVE_DOT8
                     if (head_dim % 8 == 0)
-                        for (; i + 8 <= run; i += 8, l += 8, k += 8 * slot_stride)
+                        for (; i + 8 <= run; i += 8, l += 8, k += 8 * slot_stride) {
                             for (int64_t h = h0; h < h1; h++) {
                                 const __m256 s = dot8(q + h * head_dim, k + (h / group) * head_dim, slot_stride, head_dim);
                                 _mm256_storeu_ps(weights + h * n + l, _mm256_mul_ps(s, _mm256_set1_ps(scale)));
                             }
+                        }
 #endif
                     for (; i < run; i++, l++, k += slot_stride)
                         for (int64_t h = h0; h < h1; h++)
@@ -159,7 +195,19 @@ int cb_paged_decode_f32(const float *query, const float *k_pool, const float *v_
                     float *w = weights + h * n;
                     float max = -INFINITY, sum = 0.f;
                     for (int64_t l = 0; l < n; l++) max = w[l] > max ? w[l] : max;
-                    for (int64_t l = 0; l < n; l++) {
+                    int64_t l = 0;
+#if HAVE_DOT8
+                    __m256 total = _mm256_setzero_ps();
+                    for (; l + 8 <= n; l += 8) {
+                        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(w + l), _mm256_set1_ps(max)));
+                        _mm256_storeu_ps(w + l, e);
+                        total = _mm256_add_ps(total, e);
+                    }
+                    float lanes[8];
+                    _mm256_storeu_ps(lanes, total);
+                    for (int i = 0; i < 8; i++) sum += lanes[i];
+#endif
+                    for (; l < n; l++) {
                         w[l] = expf(w[l] - max);
                         sum += w[l];
                     }
