@@ -21,9 +21,9 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-/* Rows i and i + 1 (when two) of x against weight rows r0..r0+3: eight dot products. */
-static inline void block(const float *restrict x, int64_t pair, const float *const w[4], int64_t k, float s[8]) {
-    const float *xa = x, *xb = x + (pair ? k : 0);
+/* Two rows of x (xa, xb) against weight rows w[0..3]: eight dot products. */
+static inline void block2(const float *restrict xa, const float *restrict xb, const float *const w[4], int64_t k,
+                          float s[8]) {
     const int64_t vec = k - k % 8;
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
     for (int64_t d = 0; d < vec; d += 8) {
@@ -43,6 +43,22 @@ static inline void block(const float *restrict x, int64_t pair, const float *con
         for (int j = 0; j < 4; j++) s[j] += xa[d] * w[j][d], s[4 + j] += xb[d] * w[j][d];
 }
 
+/* One row of x against w[0..3], summed in the same order as a row of block2. */
+static inline void block1(const float *restrict xa, const float *const w[4], int64_t k, float s[4]) {
+    const int64_t vec = k - k % 8;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t d = 0; d < vec; d += 8) {
+        const __m256 u = _mm256_loadu_ps(xa + d);
+        a0 = _mm256_fmadd_ps(u, _mm256_loadu_ps(w[0] + d), a0);
+        a1 = _mm256_fmadd_ps(u, _mm256_loadu_ps(w[1] + d), a1);
+        a2 = _mm256_fmadd_ps(u, _mm256_loadu_ps(w[2] + d), a2);
+        a3 = _mm256_fmadd_ps(u, _mm256_loadu_ps(w[3] + d), a3);
+    }
+    s[0] = hsum(a0), s[1] = hsum(a1), s[2] = hsum(a2), s[3] = hsum(a3);
+    for (int64_t d = vec; d < k; d++)
+        for (int j = 0; j < 4; j++) s[j] += xa[d] * w[j][d];
+}
+
 int cb_small_gemm(const float *restrict x, const float *restrict w, const float *restrict bias, float *restrict out,
                   int64_t m, int64_t n, int64_t k, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -52,9 +68,12 @@ int cb_small_gemm(const float *restrict x, const float *restrict w, const float 
         const float *wr[4] = {w + r0 * k, w + (r0 + (rows > 1)) * k, w + (r0 + 2 * (rows > 2)) * k,
                               w + (r0 + 3 * (rows > 3)) * k};
         for (int64_t i = 0; i < m; i += 2) {
-            const int64_t pair = i + 1 < m;
             float s[8];
-            block(x + i * k, pair, wr, k, s);
+            const int64_t pair = i + 1 < m;
+            if (pair)
+                block2(x + i * k, x + (i + 1) * k, wr, k, s);
+            else
+                block1(x + i * k, wr, k, s);
             for (int64_t j = 0; j < rows; j++) {
                 const float b = bias ? bias[r0 + j] : 0.f;
                 out[i * n + r0 + j] = s[j] + b;
