@@ -10,6 +10,7 @@
  *
  * Returns 0, or 3 when built for a CPU without AVX2 and FMA (the caller multiplies otherwise).
  */
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #if defined(__AVX2__) && defined(__FMA__)
@@ -19,6 +20,12 @@ static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* The last k % 8 products of a row, one fused multiply-add each (the same instructions for every row). */
+static inline void tail(const float *restrict x, const float *const w[4], int64_t from, int64_t k, float s[4]) {
+    for (int64_t d = from; d < k; d++)
+        for (int j = 0; j < 4; j++) s[j] = fmaf(x[d], w[j][d], s[j]);
 }
 
 /* Two rows of x (xa, xb) against weight rows w[0..3]: eight dot products. */
@@ -39,8 +46,8 @@ static inline void block2(const float *restrict xa, const float *restrict xb, co
     }
     s[0] = hsum(a0), s[1] = hsum(a1), s[2] = hsum(a2), s[3] = hsum(a3);
     s[4] = hsum(b0), s[5] = hsum(b1), s[6] = hsum(b2), s[7] = hsum(b3);
-    for (int64_t d = vec; d < k; d++)
-        for (int j = 0; j < 4; j++) s[j] += xa[d] * w[j][d], s[4 + j] += xb[d] * w[j][d];
+    tail(xa, w, vec, k, s);
+    tail(xb, w, vec, k, s + 4);
 }
 
 /* One row of x against w[0..3], summed in the same order as a row of block2. */
@@ -55,8 +62,7 @@ static inline void block1(const float *restrict xa, const float *const w[4], int
         a3 = _mm256_fmadd_ps(u, _mm256_loadu_ps(w[3] + d), a3);
     }
     s[0] = hsum(a0), s[1] = hsum(a1), s[2] = hsum(a2), s[3] = hsum(a3);
-    for (int64_t d = vec; d < k; d++)
-        for (int j = 0; j < 4; j++) s[j] += xa[d] * w[j][d];
+    tail(xa, w, vec, k, s);
 }
 
 int cb_small_gemm(const float *restrict x, const float *restrict w, const float *restrict bias, float *restrict out,
