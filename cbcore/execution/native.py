@@ -1,9 +1,10 @@
 """cbcore's own C kernels: compiled on first use for this CPU, cached, loaded with ctypes.
 
-A kernel is one C file beside this module. It is compiled with the machine's
-C compiler (``$CC``, else ``cc``) for this CPU (``-march=native``) and kept
-under cbcore's cache directory, named by a hash of the source, the flags, the
-compiler and the CPU model, so a later process loads it in milliseconds and a
+A kernel is one C file beside this module (and the headers there, which it
+may include). It is compiled with the machine's C compiler (``$CC``, else
+``cc``) for this CPU (``-march=native``) and kept under cbcore's cache
+directory, named by a hash of the sources, the flags, the compiler and the
+CPU model, so a later process loads it in milliseconds and a
 changed CPU or source builds anew. It is linked against the OpenMP runtime
 torch has already loaded, so its threads are torch's threads. ctypes rather
 than a torch extension: no torch headers, no pybind, a build of a fraction of
@@ -59,7 +60,8 @@ def _compiler() -> str | None:
 
 def _library_path(source: Path, compiler: str) -> Path:
     identity = "\n".join([compiler, " ".join(FLAGS), hardware_name(), platform.machine()]).encode()
-    digest = hashlib.sha256(source.read_bytes() + b"\0" + identity).hexdigest()[:16]
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # what it may include
+    digest = hashlib.sha256(source.read_bytes() + headers + b"\0" + identity).hexdigest()[:16]
     return cache_root() / "kernels" / f"{source.stem}-{digest}.so"
 
 

@@ -20,9 +20,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
+#include "simd_exp.h"
 
 static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
     float s = 0.f;
@@ -92,27 +90,6 @@ static inline void add_weighted8(float *restrict y, const float *restrict w, con
     }
 }
 
-/* e^x for x <= 0 (a softmax's shifted scores), eight at once: x = n ln2 + r with |r| <= ln2 / 2, e^r by
- * a degree-6 polynomial (Cephes' expf coefficients), times 2^n through the exponent bits. Within 1 ulp
- * of expf above -86.5 (checked at every 1e-6 step); 0 below, where e^x < 3e-38 is nothing beside the
- * softmax's largest weight, 1. */
-static inline __m256 exp8(__m256 x) {
-    const __m256 tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-86.5f), _CMP_LT_OQ);
-    x = _mm256_max_ps(x, _mm256_set1_ps(-86.5f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
-}
 #define HAVE_DOT8 1
 #else
 #define HAVE_DOT8 0

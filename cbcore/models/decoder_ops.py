@@ -2,7 +2,7 @@
 
 At one decoding sequence of the default model a layer's products take about
 1 ms and its twenty-odd small torch ops about a quarter of that again, nearly
-all of it dispatch (measured: some 8 ms of a 44 ms step). ``decoder_ops.c``
+all of it dispatch (measured: some 8 ms of a 44 ms step). ``cbcore/execution/decoder_ops.c``
 does each group in one pass (built and loaded like every cbcore kernel, see
 :mod:`cbcore.execution.native`): the residual add with the norm after it,
 rotary in place on the joined q/k/v product, silu times up. The sums run in
@@ -22,10 +22,11 @@ import torch
 from torch import nn
 from transformers.activations import SiLUActivation
 
+from cbcore.execution import native
 from cbcore.execution.native import NativeKernel
 
 _P, _I, _F, _T = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-SOURCE = Path(__file__).with_name("decoder_ops.c")
+SOURCE = Path(native.__file__).with_name("decoder_ops.c")
 ADD_RMS_NORM = NativeKernel(SOURCE, "cb_add_rms_norm", [_P, _P, _P, _P, _I, _I, _F, _T])
 ROTARY = NativeKernel(SOURCE, "cb_rotary", [_P, _I, _P, _P, _I, _I, _I, _T])
 SILU_MUL = NativeKernel(SOURCE, "cb_silu_mul", [_P, _P, _I, _I, _T])
@@ -59,7 +60,7 @@ class TorchOps:
 
 
 class NativeOps:
-    """The same contract in ``decoder_ops.c``: float32 on the CPU, rows contiguous in the last dim."""
+    """The same contract in ``cbcore/execution/decoder_ops.c``: float32 on the CPU, rows contiguous in the last dim."""
 
     name = "native"
 

@@ -15,6 +15,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "simd_exp.h"
+
 #define ROWS_PER_THREAD 16
 
 /* h += delta (when delta is not NULL); out = weight * (h / sqrt(mean(h^2) + eps)). */
@@ -66,7 +68,16 @@ int cb_silu_mul(const float *restrict gate_up, float *restrict out, int64_t rows
     for (int64_t r = 0; r < rows; r++) {
         const float *g = gate_up + r * 2 * n, *u = g + n;
         float *y = out + r * n;
-        for (int64_t i = 0; i < n; i++) y[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+        int64_t i = 0;
+#if SIMD_EXP
+        for (; i + 8 <= n; i += 8) {
+            const __m256 x = _mm256_loadu_ps(g + i);
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), x));
+            const __m256 s = _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f), e));
+            _mm256_storeu_ps(y + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
+        }
+#endif
+        for (; i < n; i++) y[i] = g[i] / (1.f + expf(-g[i])) * u[i];
     }
     return 0;
 }
