@@ -37,7 +37,6 @@ from cbcore.scheduling.request import (
     check_request_id,
     encode_prompt,
     field_problems,
-    max_new_tokens_limit,
 )
 from cbcore.scheduling.sampling_params import SamplingParams
 from cbcore.scheduling.scheduler import Scheduler, SchedulerOutput
@@ -172,13 +171,6 @@ class EngineCore:
     @property
     def kv_capacity_tokens(self) -> int:
         return self.scheduler.blocks.capacity_tokens
-
-    def max_new_tokens_for(self, prompt_len: int) -> int:
-        """The most tokens a prompt of this length may ask for here (< 1: it cannot run at all)."""
-        return max_new_tokens_limit(prompt_len, self.max_model_len, self.kv_capacity_tokens)
-
-    def scheduler_has(self, request_id: str) -> bool:
-        return request_id in self._live
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request wherever it is; its KV blocks are freed at once."""

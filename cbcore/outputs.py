@@ -144,11 +144,6 @@ class StepStats:
         return self.schedule_s + self.prepare_s + self.forward_s + self.sample_s
 
     @property
-    def overhead_s(self) -> float:
-        """Everything that is not the model forward."""
-        return self.total_s - self.forward_s
-
-    @property
     def is_mixed(self) -> bool:
         """Prefill and decode tokens shared this step's forward."""
         return self.num_prefill_tokens > 0 and self.num_decode_tokens > 0

@@ -53,10 +53,6 @@ class FlatBatch:
     def device(self) -> torch.device:
         return self.input_ids.device
 
-    @property
-    def is_decode_only(self) -> bool:
-        return all(q == 1 for q in self.query_lens)
-
     @cached_property
     def token_seq_index(self) -> torch.Tensor:
         """[T]: which sequence each query token belongs to."""

@@ -49,10 +49,6 @@ class SchedulerOutput:
     def num_prefill_tokens(self) -> int:
         return self.num_tokens - self.num_decode_tokens
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
 
 @runtime_checkable
 class Scheduler(Protocol):
