@@ -2,8 +2,8 @@
 
 At one decoding sequence of the default model a layer's products take about
 1 ms and its twenty-odd small torch ops about a quarter of that again, nearly
-all of it dispatch (measured: some 8 ms of a 44 ms step). ``cbcore/execution/decoder_ops.c``
-does each group in one pass (built and loaded like every cbcore kernel, see
+all of it dispatch (measured: some 8 ms of a 44 ms step).
+``cbcore/execution/decoder_ops.c`` does each group in one pass (built and loaded like every cbcore kernel, see
 :mod:`cbcore.execution.native`): the residual add with the norm after it,
 rotary in place on the joined q/k/v product, silu times up. The sums run in
 another order than torch's (the norm's mean of squares), so the logits differ
@@ -60,7 +60,7 @@ class TorchOps:
 
 
 class NativeOps:
-    """The same contract in ``cbcore/execution/decoder_ops.c``: float32 on the CPU, rows contiguous in the last dim."""
+    """The same contract in ``decoder_ops.c``: float32 on the CPU, rows contiguous in the last dim."""
 
     name = "native"
 
