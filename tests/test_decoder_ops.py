@@ -82,3 +82,15 @@ def test_what_the_kernel_does_not_cover_is_named():
     model.model.layers[0].mlp.act_fn = nn.GELU()
     assert "MLP uses GELU" in native_refusal(model, 8)
     assert "bfloat16" in native_refusal(tiny_model("llama").to(torch.bfloat16), 8)
+
+
+@needs_kernel
+def test_layouts_the_kernel_cannot_follow_are_refused_not_misread():
+    norm = _Norm(8)
+    with pytest.raises(ValueError, match="residual stream h must be contiguous"):
+        NativeOps.add_norm(torch.randn(8, 4).t(), None, norm)
+    with pytest.raises(ValueError, match="heads must be contiguous within a row"):
+        NativeOps.rotate(torch.randn(3, 16, 2).transpose(1, 2), torch.randn(3, 16), torch.randn(3, 16))
+    cos, sin = torch.randn(16, 3).t(), torch.randn(16, 3).t()  # strided [3, 16]: copied, not misread
+    qk = torch.randn(3, 2, 16)
+    torch.testing.assert_close(NativeOps.rotate(qk.clone(), cos, sin), TorchOps.rotate(qk, cos, sin))

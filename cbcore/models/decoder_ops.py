@@ -66,9 +66,10 @@ class NativeOps:
 
     @staticmethod
     def add_norm(h: torch.Tensor, delta: torch.Tensor | None, norm: nn.Module) -> torch.Tensor:
+        if not h.is_contiguous():  # h is added to in place: a copy would lose the residual
+            raise ValueError("NativeOps.add_norm: the residual stream h must be contiguous")
         out = torch.empty_like(h)
-        if delta is not None and not delta.is_contiguous():
-            delta = delta.contiguous()
+        delta = None if delta is None else delta.contiguous()
         rows, width = h.shape
         ADD_RMS_NORM.function()(
             h.data_ptr(), None if delta is None else delta.data_ptr(), norm.weight.data_ptr(), out.data_ptr(),
@@ -80,20 +81,20 @@ class NativeOps:
     def rotate(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """In place on ``qk`` (``[T, heads, dim]``, a view whose rows may be strided); returns it."""
         rows, heads, dim = qk.shape
+        if qk.stride(2) != 1 or qk.stride(1) != dim:
+            raise ValueError(
+                f"NativeOps.rotate: heads must be contiguous within a row, got strides {qk.stride()}"
+            )
+        cos, sin = cos.contiguous(), sin.contiguous()
+        threads = torch.get_num_threads()
         ROTARY.function()(
-            qk.data_ptr(),
-            qk.stride(0),
-            cos.data_ptr(),
-            sin.data_ptr(),
-            rows,
-            heads,
-            dim,
-            torch.get_num_threads(),
+            qk.data_ptr(), qk.stride(0), cos.data_ptr(), sin.data_ptr(), rows, heads, dim, threads
         )
         return qk
 
     @staticmethod
     def silu_mul(gate_up: torch.Tensor, act: nn.Module) -> torch.Tensor:
+        gate_up = gate_up.contiguous()
         rows, width = gate_up.shape
         out = gate_up.new_empty(rows, width // 2)
         SILU_MUL.function()(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
