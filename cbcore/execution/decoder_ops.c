@@ -15,7 +15,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "simd_exp.h"
+#include "simd.h"
 
 #define ROWS_PER_THREAD 16
 
@@ -69,7 +69,7 @@ int cb_silu_mul(const float *restrict gate_up, float *restrict out, int64_t rows
         const float *g = gate_up + r * 2 * n, *u = g + n;
         float *y = out + r * n;
         int64_t i = 0;
-#if SIMD_EXP
+#if CB_AVX2
         for (; i + 8 <= n; i += 8) {
             const __m256 x = _mm256_loadu_ps(g + i);
             const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), x));

@@ -20,7 +20,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
-#include "simd_exp.h"
+#include "simd.h"
 
 static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
     float s = 0.f;
@@ -34,7 +34,7 @@ static inline void add_scaled(float *restrict y, float p, const float *restrict 
     for (int64_t d = 0; d < n; d++) y[d] += p * x[d];
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if CB_AVX2
 /* Eight keys' dot products with one query at once (head_dim a multiple of 8): eight independent
  * accumulators, then one transposing reduction, instead of eight dependent chains and eight
  * horizontal sums. */
@@ -90,9 +90,6 @@ static inline void add_weighted8(float *restrict y, const float *restrict w, con
     }
 }
 
-#define HAVE_DOT8 1
-#else
-#define HAVE_DOT8 0
 #endif
 
 /* First slot of position `pos` and how many positions from it lie in the same block (at most `left`). */
@@ -154,7 +151,7 @@ int cb_paged_decode_f32(const float *query, const float *k_pool, const float *v_
                 for (int64_t pos = start, l = 0; pos < start + n; pos += run) {
                     const float *k = k_pool + run_at(table, block_size, pos, start + n - pos, &run) * slot_stride;
                     int64_t i = 0;
-#if HAVE_DOT8
+#if CB_AVX2
                     if (head_dim % 8 == 0)
                         for (; i + 8 <= run; i += 8, l += 8, k += 8 * slot_stride) {
                             for (int64_t h = h0; h < h1; h++) {
@@ -173,7 +170,7 @@ int cb_paged_decode_f32(const float *query, const float *k_pool, const float *v_
                     float max = -INFINITY, sum = 0.f;
                     for (int64_t l = 0; l < n; l++) max = w[l] > max ? w[l] : max;
                     int64_t l = 0;
-#if HAVE_DOT8
+#if CB_AVX2
                     __m256 total = _mm256_setzero_ps();
                     for (; l + 8 <= n; l += 8) {
                         const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(w + l), _mm256_set1_ps(max)));
@@ -194,7 +191,7 @@ int cb_paged_decode_f32(const float *query, const float *k_pool, const float *v_
                 /* Weighted values, one pass. */
                 for (int64_t pos = start, l = 0; pos < start + n; pos += run, l += run) {
                     const float *v = v_pool + run_at(table, block_size, pos, start + n - pos, &run) * slot_stride;
-#if HAVE_DOT8
+#if CB_AVX2
                     if (head_dim % 8 == 0) {
                         for (int64_t h = h0; h < h1; h++)
                             add_weighted8(acc + h * head_dim, weights + h * n + l, v + (h / group) * head_dim,

@@ -13,8 +13,8 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
+#include "simd.h"
+#if CB_AVX2
 
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -1,14 +1,15 @@
-/* e^x for eight floats at once, for cbcore's C kernels (AVX2 with FMA; SIMD_EXP is 0 elsewhere).
+/* What cbcore's C kernels share: CB_AVX2 (1 where the compiler targets AVX2 with FMA, else 0: the
+ * kernels' plain loops run) and, there, exp8.
  *
- * x = n ln2 + r with |r| <= ln2 / 2, e^r by a degree-6 polynomial (Cephes' expf coefficients), times
- * 2^n through the exponent bits. Within 1 ulp of expf on [-86.5, 88] (checked at every 1e-6 step);
+ * exp8: e^x for eight floats at once. x = n ln2 + r with |r| <= ln2 / 2, e^r by a degree-6
+ * polynomial (Cephes' expf coefficients), times 2^n through the exponent bits. Within 1 ulp of expf on [-86.5, 88] (checked at every 1e-6 step);
  * 0 below -86.5 (e^x < 3e-38) and e^88 above 88, where e^x nears float's largest value.
  */
-#ifndef CBCORE_SIMD_EXP_H
-#define CBCORE_SIMD_EXP_H
+#ifndef CBCORE_SIMD_H
+#define CBCORE_SIMD_H
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
-#define SIMD_EXP 1
+#define CB_AVX2 1
 
 static inline __m256 exp8(__m256 x) {
     const __m256 tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-86.5f), _CMP_LT_OQ);
@@ -28,6 +29,6 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
 }
 #else
-#define SIMD_EXP 0
+#define CB_AVX2 0
 #endif
 #endif
