@@ -90,10 +90,14 @@ class SdpaPlan:
 
 def visible_key_range(context_len: int, query_len: int, sliding_window: int | None) -> tuple[int, int]:
     """First and one-past-last key position that any query of this sequence may see this step."""
-    first_query = context_len - query_len
     if sliding_window is None:
         return 0, context_len
-    return max(0, first_query - sliding_window + 1), context_len
+    return max(0, context_len - query_len - sliding_window + 1), context_len
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask as SDPA's additive one, in the query dtype (built once, used by every layer)."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
 def _slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -106,11 +110,8 @@ def build_decode_plan(
 ) -> DecodePlan:
     """Where each single-token row's visible keys lie (paged), or their padded slots and mask (gathered)."""
     device = batch.device
-    starts, counts = [], []
-    for i in seq_ids:
-        lo, hi = visible_key_range(batch.context_lens[i], 1, sliding_window)
-        starts.append(lo)
-        counts.append(hi - lo)
+    ranges = [visible_key_range(batch.context_lens[i], 1, sliding_window) for i in seq_ids]
+    starts, counts = [lo for lo, _ in ranges], [hi - lo for lo, hi in ranges]
     rows = None
     if len(seq_ids) != batch.num_seqs:
         rows = batch.cu_seqlens_q.long()[torch.tensor(seq_ids, device=device)]
@@ -145,11 +146,7 @@ def gathered_rows(
     positions = start + torch.where(valid, offsets[None, :], 0)
     tables = batch.block_tables.long()[torch.tensor(seq_ids, device=device)]
     slots = _slots(tables, positions, batch.block_size)
-    mask = None
-    if min(counts) != width:
-        mask = torch.zeros(valid.shape, dtype=dtype, device=device)
-        mask.masked_fill_(~valid, float("-inf"))
-        mask = mask[:, None, None, :]
+    mask = _additive(valid, dtype)[:, None, None, :] if min(counts) != width else None
     return GatheredRows(slots, mask)
 
 
@@ -174,8 +171,7 @@ def build_span_plan(
         allowed = k_pos <= q_pos
         if sliding_window is not None:
             allowed &= q_pos - k_pos < sliding_window
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
-        mask.masked_fill_(~allowed, float("-inf"))
+        mask = _additive(allowed, dtype)
     return SpanPlan(q_start, q_start + q_len, fresh, slots, mask)
 
 

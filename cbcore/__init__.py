@@ -15,37 +15,27 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    # running an engine
-    "Engine": "cbcore.engine",
-    "EngineConfig": "cbcore.config",
-    "SamplingParams": "cbcore.scheduling.sampling_params",
-    "RequestOutput": "cbcore.outputs",
-    "RequestMetrics": "cbcore.outputs",
-    "EngineLoad": "cbcore.outputs",
-    "FinishReason": "cbcore.scheduling.sequence",
-    "RequestError": "cbcore.scheduling.request",
-    # writing a policy
-    "QueuePolicy": "cbcore.scheduling.policy",
-    "BudgetPolicy": "cbcore.scheduling.policy",
-    "PrefillPolicy": "cbcore.scheduling.policy",
-    "PreemptionPolicy": "cbcore.scheduling.policy",
-    "SequenceView": "cbcore.scheduling.policy",
-    "KVView": "cbcore.scheduling.policy",
-    "SchedulerState": "cbcore.scheduling.policy",
-    "StepLimits": "cbcore.scheduling.policy",
-    "StepResult": "cbcore.scheduling.policy",
-    "SchedulerError": "cbcore.scheduling.scheduler",
-    "SchedulerStall": "cbcore.scheduling.scheduler",
-    # writing a router or a backend, and registering plugins
-    "Router": "cbcore.scale.router",
-    "RouteRequest": "cbcore.scale.router",
-    "ReplicaView": "cbcore.scale.router",
-    "RouterError": "cbcore.scale.router",
-    "Backend": "cbcore.execution.backend",
-    "BackendUnavailable": "cbcore.execution.backend",
-    "NoParams": "cbcore.plugins",
-    "PluginError": "cbcore.plugins",
-    "hookimpl": "cbcore.plugins",
+    name: module
+    for module, names in {
+        # running an engine
+        "cbcore.engine": ["Engine"],
+        "cbcore.config": ["EngineConfig"],
+        "cbcore.scheduling.sampling_params": ["SamplingParams"],
+        "cbcore.outputs": ["RequestOutput", "RequestMetrics", "EngineLoad"],
+        "cbcore.scheduling.sequence": ["FinishReason"],
+        "cbcore.scheduling.request": ["RequestError"],
+        # writing a policy
+        "cbcore.scheduling.policy": [
+            "QueuePolicy", "BudgetPolicy", "PrefillPolicy", "PreemptionPolicy", "SequenceView", "KVView",
+            "SchedulerState", "StepLimits", "StepResult",
+        ],
+        "cbcore.scheduling.scheduler": ["SchedulerError", "SchedulerStall"],
+        # writing a router or a backend, and registering plugins
+        "cbcore.scale.router": ["Router", "RouteRequest", "ReplicaView", "RouterError"],
+        "cbcore.execution.backend": ["Backend", "BackendUnavailable"],
+        "cbcore.plugins": ["NoParams", "PluginError", "hookimpl"],
+    }.items()
+    for name in names
 }
 
 __all__ = [*_EXPORTS, "__version__"]

@@ -172,12 +172,12 @@ class EngineConfig(BaseModel):
     def _check_plugins(self) -> EngineConfig:
         registry = get_registry(tuple(self.plugins))
         if self.scheduler.name is not None:
-            registry.validate("scheduler", self.scheduler.name, self.scheduler.params, "scheduler")
+            registry.params_for("scheduler", self.scheduler.name, self.scheduler.params, "scheduler")
         for slot in ("queue", "budget", "prefill", "preemption"):
             spec: PluginSpec = getattr(self.scheduler, slot)
-            registry.validate(slot, spec.name, spec.params, f"scheduler.{slot}")
-        registry.validate("backend", self.backend.name, self.backend.params, "backend")
-        registry.validate("router", self.router.name, self.router.params, "router")
+            registry.params_for(slot, spec.name, spec.params, f"scheduler.{slot}")
+        registry.params_for("backend", self.backend.name, self.backend.params, "backend")
+        registry.params_for("router", self.router.name, self.router.params, "router")
         return self
 
     # -- loading -------------------------------------------------------------

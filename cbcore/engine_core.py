@@ -28,15 +28,14 @@ from cbcore.log import get_logger
 from cbcore.outputs import EngineLoad, RequestOutput, StepStats, StepTotals
 from cbcore.scheduling.plan import Sampled, StepPlan
 from cbcore.scheduling.policy_scheduler import build_scheduler
-from cbcore.scheduling.policy_set import describe
 from cbcore.scheduling.request import (
     Prompt,
     RequestError,
     RequestFields,
     check_request,
-    check_request_id,
     encode_prompt,
     field_problems,
+    nonempty_str,
 )
 from cbcore.scheduling.sampling_params import SamplingParams
 from cbcore.scheduling.scheduler import Scheduler, SchedulerOutput
@@ -82,7 +81,7 @@ class EngineCore:
         *,
         vocab_size: int,
         max_model_len: int | None,
-        names: Mapping[int, str] | None = None,
+        names: Mapping[int, str],
         eos_token_ids: Iterable[int] = (),
         tokenizer: Any | None = None,
         clock: Callable[[], float] = time.perf_counter,
@@ -106,9 +105,6 @@ class EngineCore:
         self.step_listeners: list[Callable[[StepRecord], None]] = []
         self.num_preemptions_total = 0  # counted here, so that it holds for any Scheduler
         self._ids = itertools.count()
-        if names is None:
-            policies = getattr(scheduler, "policies", None)
-            names = policies.names if policies is not None else {id(scheduler): describe(scheduler)}
         self.steps = Steps(scheduler, names, clock)
         self._live: dict[str, Sequence] = {}  # every request added and not yet ended
 
@@ -139,7 +135,7 @@ class EngineCore:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise RequestError(f"params must be SamplingParams, got {type(params).__name__}")
-        request_id = check_request_id(self.new_request_id() if request_id is None else request_id)
+        request_id = nonempty_str(self.new_request_id() if request_id is None else request_id)
         try:
             fields = RequestFields(priority=priority, client_id=client_id, deadline_s=deadline_s, attrs=attrs)
         except ValidationError as exc:

@@ -46,26 +46,19 @@ class RequestMetrics:
 
     @property
     def queue_time(self) -> float | None:
-        if self.first_scheduled_time is None:
-            return None
-        return self.first_scheduled_time - self.arrival_time
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
 
     @property
     def ttft(self) -> float | None:
-        if self.first_token_time is None:
-            return None
-        return self.first_token_time - self.arrival_time
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 
     @property
     def itl(self) -> list[float]:
-        t = self.token_times
-        return [b - a for a, b in itertools.pairwise(t)]
+        return [b - a for a, b in itertools.pairwise(self.token_times)]
 
     @property
     def e2e(self) -> float | None:
-        if self.finish_time is None:
-            return None
-        return self.finish_time - self.arrival_time
+        return None if self.finish_time is None else self.finish_time - self.arrival_time
 
     @property
     def tpot(self) -> float | None:
@@ -198,8 +191,5 @@ class StepTotals:
         self.mixed_steps += s.is_mixed
         self.preemptions += s.num_preempted
         self.max_seqs = max(self.max_seqs, s.num_seqs)
-        sec = self.seconds
-        sec["schedule"] += s.schedule_s
-        sec["prepare"] += s.prepare_s
-        sec["forward"] += s.forward_s
-        sec["sample"] += s.sample_s
+        for part in self.seconds:
+            self.seconds[part] += getattr(s, f"{part}_s")

@@ -160,18 +160,14 @@ class Registry:
 
     def params_for(self, kind: str, name: str, params: dict[str, Any], where: str) -> BaseModel:
         """The plugin's own ``Params`` model validated from ``params``; errors name ``where.key``."""
-        model = self.get(kind, name).cls.Params
+        try:
+            model = self.get(kind, name).cls.Params
+        except PluginError as exc:
+            raise PluginError(f"{where}: {exc}") from None
         try:
             return model.model_validate(params, strict=True)
         except ValidationError as exc:
             raise PluginError("; ".join(validation_problems(exc, model, where))) from None
-
-    def validate(self, kind: str, name: str, params: dict[str, Any], where: str) -> None:
-        try:
-            self.params_for(kind, name, params, where)
-        except PluginError as exc:
-            msg = str(exc)
-            raise PluginError(msg if msg.startswith(where) else f"{where}: {msg}") from None
 
     def create(self, kind: str, name: str, params: dict[str, Any], where: str, *args: Any) -> Any:
         return self.get(kind, name).cls(self.params_for(kind, name, params, where), *args)
@@ -292,5 +288,5 @@ def validation_problems(exc: ValidationError, model: type[BaseModel] | None = No
         if err["type"] == "extra_forbidden" and loc:
             msg += did_you_mean(loc[-1], fields_at(model, loc[:-1]))
         where = ".".join(p for p in (prefix, *loc) if p)
-        problems.append(f"{where}: {msg}" if where else msg)
+        problems.append(msg if msg.startswith(where) else f"{where}: {msg}")  # a message that names its key
     return problems

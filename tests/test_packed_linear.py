@@ -80,17 +80,21 @@ def test_any_row_count_reaches_onednn_as_one_of_few_shapes():
     counts = set()
     for n in range(1, 5000):
         pieces = row_pieces(n)
-        assert [a for a, _, _ in pieces] == list(range(0, n, PIECE_ROWS))  # the pieces tile the rows
+        assert [a for a, _, _ in pieces] == [0] + [b for _, b, _ in pieces[:-1]]  # the pieces tile the rows
         assert pieces[-1][1] == n
+        sizes = [b - a for a, b, _ in pieces]
+        assert sizes == sorted(sizes, reverse=True)  # largest first
+        assert len(pieces) <= n // PIECE_ROWS[0] + len(PIECE_ROWS)  # few products for any n
         for a, b, padded in pieces:
-            assert b - a <= padded <= PIECE_ROWS and padded - (b - a) < PAD_STEP
-            assert padded == b - a or padded > EXACT_ROWS  # the smallest products run unpadded
+            assert b - a <= padded and (padded in PIECE_ROWS or padded - (b - a) < PAD_STEP)
+            assert padded == b - a or EXACT_ROWS < padded <= PIECE_ROWS[-1]  # whole pieces and the smallest unpadded
             counts.add(padded)
-    assert len(counts) == EXACT_ROWS + (PIECE_ROWS - EXACT_ROWS) // PAD_STEP == 46
+    smallest = PIECE_ROWS[-1]
+    assert len(counts) == EXACT_ROWS + (smallest - EXACT_ROWS) // PAD_STEP + len(PIECE_ROWS) - 1 == 49
 
 
 @needs_onednn
-@pytest.mark.parametrize("rows", [1, 9, 128, 129, 256, 300, 520])
+@pytest.mark.parametrize("rows", [1, 9, 128, 129, 256, 300, 520, 1800, 2050])
 @pytest.mark.parametrize("bias", [False, True])
 def test_padded_and_pieced_products_equal_the_plain_product(rows, bias):
     torch.manual_seed(rows)

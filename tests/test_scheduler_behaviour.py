@@ -15,6 +15,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -33,6 +34,7 @@ from cbcore.scheduling.sampling_params import SamplingParams
 from cbcore.scheduling.scheduler import SchedulerOutput
 from cbcore.scheduling.sequence import FinishReason, Sequence
 from cbcore.scheduling.step import Steps
+from cbcore.scheduling.step_planner import StepPlanner
 from cbcore.testing.block_invariants import check_blocks
 
 TOKEN = 7
@@ -450,11 +452,9 @@ class _PrioritySortedEveryStep(Priority):
         self.fixed_keys = False
 
 
-def _random_trace(queue: QueuePolicy, *, decodes_in_one_pass: bool = True) -> list[tuple]:
+def _random_trace(queue: QueuePolicy) -> list[tuple]:
     """Per step: who ran with how many tokens, who was preempted, every scheduled block table."""
     run = FakeRun(queue, budget(5, 24), num_blocks=24, block_size=4)
-    if not decodes_in_one_pass:
-        run.sched._schedule_all_decodes = lambda decodes, plan: False  # type: ignore[method-assign]
     plans = []
     schedule = run.sched.schedule
 
@@ -494,4 +494,8 @@ def test_fixed_queue_keys_plan_exactly_like_sorting_every_step(fixed: type, sort
 @pytest.mark.parametrize("queue", [FCFS, Priority])
 def test_decodes_in_one_pass_plan_exactly_like_the_per_sequence_loop(queue: type) -> None:
     """Same sequences, tokens, preemptions and block ids as checking each decode on its own."""
-    assert _random_trace(queue()) == _random_trace(queue(), decodes_in_one_pass=False)
+    calls = []  # every decode through the per-sequence loop instead
+    with mock.patch.object(StepPlanner, "_all_decodes", lambda self, decodes: calls.append(1) or False):
+        per_sequence = _random_trace(queue())
+    assert calls  # the one-pass path was really turned off, at every step that decoded
+    assert _random_trace(queue()) == per_sequence

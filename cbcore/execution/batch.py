@@ -9,11 +9,13 @@ ops (Python work is per sequence, not per token) and shared by every layer.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass(eq=False)
@@ -94,25 +96,16 @@ def build_flat_batch(
     query_lens = [len(ids) for ids, _, _ in chunks]
     starts = [start for _, start, _ in chunks]
     context_lens = [s + q for s, q in zip(starts, query_lens, strict=True)]
-    flat_ids: list[int] = []
-    for ids, _, _ in chunks:
-        flat_ids.extend(ids)
+    flat_ids = list(itertools.chain.from_iterable(ids for ids, _, _ in chunks))
     num_seqs = len(chunks)
 
     q_lens = torch.tensor(query_lens, dtype=torch.int32)
-    cu_q = torch.zeros(num_seqs + 1, dtype=torch.int32)
-    torch.cumsum(q_lens, 0, out=cu_q[1:])
-    cu_k = torch.zeros(num_seqs + 1, dtype=torch.int32)
-    torch.cumsum(torch.tensor(context_lens, dtype=torch.int32), 0, out=cu_k[1:])
+    cu_q = F.pad(q_lens.cumsum(0, dtype=torch.int32), (1, 0))
+    cu_k = F.pad(torch.tensor(context_lens).cumsum(0, dtype=torch.int32), (1, 0))
 
     tables = [table for _, _, table in chunks]
-    max_blocks = max((len(t) for t in tables), default=0)
-    block_tables = torch.zeros((num_seqs, max(max_blocks, 1)), dtype=torch.int32)
-    if max_blocks:
-        lens = torch.tensor([len(t) for t in tables])
-        rows = torch.repeat_interleave(torch.arange(num_seqs), lens)
-        cols = torch.arange(int(lens.sum())) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
-        block_tables[rows, cols] = torch.tensor([b for t in tables for b in t], dtype=torch.int32)
+    width = max([1, *(len(t) for t in tables)])
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32).view(num_seqs, width)
 
     seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), q_lens.long())
     offsets = torch.arange(len(flat_ids)) - cu_q.long()[seq_of_token]

@@ -71,18 +71,14 @@ class KVCache:
 
     def copy_out(self, pairs: list[tuple[int, int]]) -> None:
         """Device block -> host block, for every layer at once."""
-        if not pairs:
-            return
-        dev = self._slots([d for d, _ in pairs])
-        host = self._slots([h for _, h in pairs])
-        self.host_k[:, host] = self.k[:, dev.to(self.device)].to("cpu")
-        self.host_v[:, host] = self.v[:, dev.to(self.device)].to("cpu")
+        self._copy(pairs, (self.k, self.v), (self.host_k, self.host_v))
 
     def copy_in(self, pairs: list[tuple[int, int]]) -> None:
         """Host block -> device block, for every layer at once."""
-        if not pairs:
-            return
-        host = self._slots([h for h, _ in pairs])
-        dev = self._slots([d for _, d in pairs]).to(self.device)
-        self.k[:, dev] = self.host_k[:, host].to(self.device)
-        self.v[:, dev] = self.host_v[:, host].to(self.device)
+        self._copy(pairs, (self.host_k, self.host_v), (self.k, self.v))
+
+    def _copy(self, pairs: list[tuple[int, int]], sources: tuple, targets: tuple) -> None:
+        if pairs:
+            src, dst = (self._slots(list(blocks)) for blocks in zip(*pairs, strict=True))
+            for source, target in zip(sources, targets, strict=True):
+                target[:, dst.to(target.device)] = source[:, src.to(source.device)].to(target.device)

@@ -15,6 +15,7 @@ from cbcore.execution.attention import AttentionContext, check_model_supported, 
 from cbcore.execution.backend import Backend
 from cbcore.execution.batch import FlatBatch, build_flat_batch
 from cbcore.execution.kv_cache import KVCache
+from cbcore.execution.native import hold_freed_memory
 from cbcore.execution.packed_linear import LinearKind, resolve_kind
 from cbcore.log import get_logger
 from cbcore.models.fused_decoder import FusedDecoder, fused_refusal
@@ -82,6 +83,7 @@ class ModelRunner:
             num_host_blocks=num_host_blocks,
         )
         self._attn = AttentionContext(backend, self.kv_cache)
+        why_freed = hold_freed_memory() if self.device.type == "cpu" else "not on the CPU"
         why_hf = fused_refusal(model) if forward != "hf" else "asked for"
         if why_hf is not None and (forward == "fused" or linear == "onednn"):
             what = "forward 'fused'" if forward == "fused" else "linear 'onednn' (it multiplies in the fused forward)"
@@ -97,8 +99,9 @@ class ModelRunner:
             why_standard=why_standard,
             warmed_products=getattr(self.fused, "warmed", 0),
             warm_s=round(getattr(self.fused, "warm_s", 0.0), 2),
+            freed_memory="held" if why_freed is None else "returned",
+            why_returned=why_freed,
         )
-        self.num_forwards = 0
         log.info(
             "kv cache ready",
             backend=backend.name,
@@ -111,13 +114,12 @@ class ModelRunner:
 
     def prepare(self, plan: StepPlan) -> FlatBatch:
         chunks = [(row.token_ids, row.start, row.block_table) for row in plan.rows]
-        sample = [row.samples for row in plan.rows]
+        sample = [row.params is not None for row in plan.rows]
         return build_flat_batch(chunks, sample, self.block_size, self.device)
 
     @torch.inference_mode()
     def forward(self, batch: FlatBatch) -> torch.Tensor:
         """One forward over the packed row; logits ``[S, vocab]`` for the sampling rows only."""
-        self.num_forwards += 1
         if self.fused is not None:
             return self.fused(batch, functools.partial(self._attn.attend, batch))
         with routed_to_cbcore(self.model):

@@ -122,18 +122,23 @@ class BlockManager:
         if needed > len(self._free) + len(self._evictable):
             return False
         for _ in range(needed):
-            block = self._allocate()
-            self._ref[block] = 1
-            seq.block_table.append(block)
+            self._allocate(seq)
         return True
 
-    def _allocate(self) -> int:
+    def _allocate(self, seq: Sequence) -> int:
+        """A free block (else the least recently used cached one, its KV overwritten) appended to ``seq``."""
         if self._free:
-            return self._free.pop()
-        block, _ = self._evictable.popitem(last=False)  # least recently used; its KV is overwritten
+            block = self._free.pop()
+        else:
+            block, _ = self._evictable.popitem(last=False)
+            self._unregister(block)
+        self._ref[block] = 1
+        seq.block_table.append(block)
+        return block
+
+    def _unregister(self, block: int) -> None:
         del self._by_hash[self._hash_of[block]]  # type: ignore[index]
         self._hash_of[block] = None
-        return block
 
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s references; blocks nobody else reads are freed (cached ones stay findable)."""
@@ -156,8 +161,7 @@ class BlockManager:
         """Forget every evictable cached block (they become plain free blocks); returns how many."""
         dropped = list(self._evictable)
         for block in dropped:
-            del self._by_hash[self._hash_of[block]]  # type: ignore[index]
-            self._hash_of[block] = None
+            self._unregister(block)
         self._evictable.clear()
         self._free.extend(reversed(dropped))
         return len(dropped)
@@ -168,6 +172,17 @@ class BlockManager:
         extend_hashes(seq.block_hashes, seq.token_ids, self.block_size, seq.cache_salt, upto)
         return seq.block_hashes
 
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks of ``seq``'s leading full blocks, up to the first miss (never its last token)."""
+        limit = (seq.num_tokens - 1) // self.block_size
+        blocks = []
+        for h in self._hashes(seq, limit)[:limit]:
+            block = self._by_hash.get(h)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
     def lookup(self, seq: Sequence) -> int:
         """Tokens of ``seq`` the cache holds now, without taking them (also stored on the sequence).
 
@@ -176,14 +191,7 @@ class BlockManager:
         """
         if not self.prefix_caching:
             return 0
-        limit = (seq.num_tokens - 1) // self.block_size
-        by_hash = self._by_hash
-        hits = 0
-        for h in self._hashes(seq, limit)[:limit]:
-            if h not in by_hash:
-                break
-            hits += 1
-        seq.num_cached_prompt_tokens = hits * self.block_size
+        seq.num_cached_prompt_tokens = len(self._cached_prefix(seq)) * self.block_size
         return seq.num_cached_prompt_tokens
 
     def acquire_cached(self, seq: Sequence) -> int:
@@ -199,12 +207,8 @@ class BlockManager:
             )
         if not self.prefix_caching:
             return 0
-        limit = (seq.num_tokens - 1) // self.block_size
-        by_hash, ref, table = self._by_hash, self._ref, seq.block_table
-        for h in self._hashes(seq, limit)[:limit]:
-            block = by_hash.get(h)
-            if block is None:
-                break
+        ref, table = self._ref, seq.block_table
+        for block in self._cached_prefix(seq):
             if ref[block] == 0:
                 del self._evictable[block]
             ref[block] += 1
@@ -250,13 +254,8 @@ class BlockManager:
         """Copy ``seq``'s blocks to host blocks and drop its references; returns (device, host) pairs."""
         if not self.can_swap_out(seq):
             raise MemoryError(f"no host room to swap out request {seq.request_id!r}")
-        pairs = []
-        host_table = []
-        for block in seq.block_table:
-            host = self._free_host.pop()
-            host_table.append(host)
-            pairs.append((block, host))
-        self._host_tables[seq.request_id] = host_table
+        pairs = [(block, self._free_host.pop()) for block in seq.block_table]
+        self._host_tables[seq.request_id] = [host for _, host in pairs]
         self.free(seq)
         return pairs
 
@@ -271,13 +270,8 @@ class BlockManager:
         if len(host_table) > self.num_free_blocks:
             self._host_tables[seq.request_id] = host_table
             raise MemoryError(f"no device room to swap in request {seq.request_id!r}")
-        pairs = []
-        for host in host_table:
-            block = self._allocate()
-            self._ref[block] = 1
-            seq.block_table.append(block)
-            pairs.append((host, block))
-            self._free_host.append(host)
+        pairs = [(host, self._allocate(seq)) for host in host_table]
+        self._free_host.extend(host_table)
         return pairs
 
     def drop_host(self, seq: Sequence) -> None:
@@ -308,8 +302,7 @@ class BlockManager:
                 ref[block] += 1
             for block in seq.block_table[seq.num_computed_tokens // self.block_size :]:
                 if hashed[block] is not None:  # registered by the failed step, past what now counts as computed
-                    del self._by_hash[hashed[block]]
-                    hashed[block] = None
+                    self._unregister(block)
         self._ref = ref
         evictable: OrderedDict[int, None] = OrderedDict((b, None) for b in self._evictable if not ref[b])
         for block in range(self.num_blocks):

@@ -29,10 +29,6 @@ class RowPlan:
     params: SamplingParams | None = None
     generator: torch.Generator | None = None  # the request's own RNG, when it is seeded
 
-    @property
-    def samples(self) -> bool:
-        return self.params is not None
-
 
 @dataclass(frozen=True, slots=True)
 class StepPlan:

@@ -197,10 +197,3 @@ class PreemptionPolicy(Policy):
     def choose_victim(self, candidates: Seq[SequenceView], queue: QueuePolicy, now: float) -> SequenceView:
         raise NotImplementedError
 
-
-POLICY_KINDS: dict[str, type[Policy]] = {
-    "queue": QueuePolicy,
-    "budget": BudgetPolicy,
-    "prefill": PrefillPolicy,
-    "preemption": PreemptionPolicy,
-}

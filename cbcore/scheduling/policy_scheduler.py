@@ -232,20 +232,19 @@ def build_scheduler(
 ) -> tuple[Scheduler, dict[int, str]]:
     """The configured scheduler over a fresh :class:`BlockManager`, and its plugins' names (for errors)."""
     registry = get_registry(tuple(config.plugins))
-    sched = config.scheduler
-    host_blocks = config.kv_cache.num_host_blocks
+    sched, kv = config.scheduler, config.kv_cache
+
+    def blocks_with(default_host_blocks: int) -> BlockManager:
+        host = default_host_blocks if kv.num_host_blocks is None else kv.num_host_blocks
+        return BlockManager(num_blocks, kv.block_size, host, prefix_caching=kv.prefix_caching)
+
     if sched.name is not None:
-        blocks = BlockManager(num_blocks, config.kv_cache.block_size, host_blocks or 0,
-                              prefix_caching=config.kv_cache.prefix_caching)  # fmt: skip
-        scheduler = registry.create("scheduler", sched.name, sched.params, "scheduler", blocks)
+        scheduler = registry.create("scheduler", sched.name, sched.params, "scheduler", blocks_with(0))
         return scheduler, {id(scheduler): describe(scheduler, registry.get("scheduler", sched.name).origin)}
     specs = {slot: getattr(sched, slot) for slot in SLOTS}
     policies = {slot: registry.create(slot, s.name, s.params, f"scheduler.{slot}") for slot, s in specs.items()}
-    if host_blocks is None:  # swap space defaults to the size of the device pool
-        host_blocks = num_blocks if policies["preemption"].mode == "swap" else 0
-    blocks = BlockManager(
-        num_blocks, config.kv_cache.block_size, host_blocks, prefix_caching=config.kv_cache.prefix_caching
-    )
+    # swap space defaults to the size of the device pool
+    blocks = blocks_with(num_blocks if policies["preemption"].mode == "swap" else 0)
     origins = {slot: registry.get(slot, s.name).origin for slot, s in specs.items()}
     scheduler = PolicyScheduler(**policies, blocks=blocks, clock=clock, origins=origins)
     return scheduler, scheduler.policies.names

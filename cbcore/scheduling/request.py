@@ -24,6 +24,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
+from cbcore.plugins import validation_problems
 from cbcore.scheduling.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -34,22 +35,17 @@ class RequestError(ValueError):
     """A request was refused before it ran; the message says what was wrong with it."""
 
 
-def _strict_int(name: str):
-    def check(value: object) -> int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-        return value
-
-    return BeforeValidator(check)
+def _priority(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"priority must be an int, got {type(value).__name__} {value!r}")
+    return value
 
 
-def _nonempty_str(name: str):
-    def check(value: object) -> str:
-        if not isinstance(value, str) or not value:
-            raise ValueError(f"{name} must be a non-empty str, got {value!r}")
-        return value
-
-    return BeforeValidator(check)
+def nonempty_str(value: object, name: str = "request_id") -> str:
+    """``value`` if it is a non-empty str, else a :class:`RequestError` naming ``name``."""
+    if not isinstance(value, str) or not value:
+        raise RequestError(f"{name} must be a non-empty str, got {value!r}")
+    return value
 
 
 def _deadline(value: object) -> float | None:
@@ -106,8 +102,8 @@ def thaw(value: Any) -> Any:
 
 
 #: Each field's type and check, for any model that carries it (the server's wire models name the client ``user``).
-Priority = Annotated[int, _strict_int("priority")]
-ClientId = Annotated[str, _nonempty_str("client_id")]
+Priority = Annotated[int, BeforeValidator(_priority)]
+ClientId = Annotated[str, BeforeValidator(lambda value: nonempty_str(value, "client_id"))]
 DeadlineS = Annotated[float | None, BeforeValidator(_deadline)]
 Attrs = Annotated[Any, BeforeValidator(freeze_attrs)]
 
@@ -129,18 +125,8 @@ class RequestFields(BaseModel):
 
 def field_problems(exc: ValidationError) -> str:
     """A :class:`RequestFields` error on one line: the field's own message (which names it), else ``field: why``."""
-    out = []
-    for err in exc.errors():
-        field = ".".join(str(p) for p in err["loc"])
-        msg = err["msg"].removeprefix("Value error, ")
-        out.append(msg if msg.startswith(field) else f"{field}: {msg}")
-    return "; ".join(out)
+    return "; ".join(validation_problems(exc))
 
-
-def check_request_id(value: object) -> str:
-    if not isinstance(value, str) or not value:
-        raise RequestError(f"request_id must be a non-empty str, got {value!r}")
-    return value
 
 
 def encode_prompt(prompt: Prompt, request_id: str, tokenizer: Any | None) -> list[int]:

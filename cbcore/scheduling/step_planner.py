@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
+from functools import cached_property
 from typing import Any, Protocol
 
 from cbcore.log import get_logger
@@ -65,13 +66,10 @@ class OrderedOnDemand(Seq[Sequence]):
 
     def __init__(self, order: Callable[[], list[Sequence]]) -> None:
         self._order = order
-        self._items: list[Sequence] | None = None
 
-    @property
+    @cached_property
     def items(self) -> list[Sequence]:
-        if self._items is None:
-            self._items = self._order()
-        return self._items
+        return self._order()
 
     def __getitem__(self, index: Any) -> Any:
         return self.items[index]
@@ -209,10 +207,11 @@ class StepPlanner:
     def _admit(self, seq: Sequence, hit: int) -> str:
         """Admit ``seq`` (its cached prefix already mapped): "admitted", "failed" or "stop" (it does not fit)."""
         n = self._tokens_for(seq)
-        if n <= 0 or (not self._has_slot() and not self._take_slot(seq, n)):
+        if n <= 0 or (not self._has_slot() and not self._evict_lower(seq, n, self._has_slot)):
             self._return_cached(seq)
             return "stop"
-        if not self.blocks.can_grow(seq, n) and not self._preempt_for(seq, n):
+        fits = lambda: self.blocks.can_grow(seq, n)  # noqa: E731
+        if not fits() and not self._evict_lower(seq, n, fits):
             alone = self.blocks.num_used_blocks == len(seq.block_table)  # alone in the cache, still too big
             message = self._too_big(seq, n)
             self._return_cached(seq)
@@ -234,8 +233,8 @@ class StepPlanner:
 
     # -- memory pressure -----------------------------------------------------
 
-    def _take_slot(self, seq: Sequence, n: int) -> bool:
-        """Let a waiting ``seq`` evict running sequences its queue ranks below it when all slots are taken.
+    def _evict_lower(self, seq: Sequence, n: int, enough: Callable[[], bool]) -> bool:
+        """Let a waiting ``seq`` evict running sequences its queue ranks below it until ``enough()`` (a slot, KV blocks).
 
         This is what makes a ranking preemptive (priority, MLFQ): without it a
         request that outranks everything running still waits for a slot to end.
@@ -243,22 +242,11 @@ class StepPlanner:
         lower = self._outranked_by(seq, n)
         if lower is None:
             return False
-        while lower and not self._has_slot():
+        while lower and not enough():
             victim = self.policies.victim(lower, self.now)
             lower.remove(victim)
             self._preempt(victim)
-        return self._has_slot() and self.tokens_left > 0
-
-    def _preempt_for(self, seq: Sequence, n: int) -> bool:
-        """Let a waiting ``seq`` evict running sequences its queue ranks below it, for KV blocks."""
-        lower = self._outranked_by(seq, n)
-        if lower is None:
-            return False
-        while not self.blocks.can_grow(seq, n):
-            victim = self.policies.victim(lower, self.now)
-            lower.remove(victim)
-            self._preempt(victim)
-        return True
+        return enough()
 
     def _outranked_by(self, seq: Sequence, n: int) -> list[Sequence] | None:
         """The running sequences ``seq`` may evict, if evicting all of them would give it its blocks.
