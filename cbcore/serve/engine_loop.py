@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cbcore.engine import Engine, RequestError
+from cbcore.execution.native import release_openmp_workers
 from cbcore.log import get_logger
 from cbcore.outputs import EngineLoad, RequestOutput
 from cbcore.scheduling.request import RequestFields
@@ -91,7 +92,14 @@ class EngineLoop:
     # -- event-loop side ---------------------------------------------------------
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Step the engine on a thread of its own; call on the thread that built the engine."""
         self._loop = loop
+        why_kept = release_openmp_workers()  # else two OpenMP pools share the cores and stop spinning
+        log.info(
+            "engine thread",
+            builder_openmp_workers="released" if why_kept is None else "kept",
+            why_kept=why_kept,
+        )
         self._thread = threading.Thread(target=self._run, name="cbcore-engine", daemon=True)
         self._thread.start()
 

@@ -1,0 +1,58 @@
+"""Handing the engine to the server's thread lets the builder's OpenMP workers go (``release_openmp_workers``)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+# Counts the process's threads, not seconds. A region of two threads leaves one pooled worker behind
+# on the thread that ran it; EngineLoop.start must end it (and adds the engine thread, which has made
+# no pool yet: no request was sent).
+SCRIPT = """
+import asyncio, os, sys, time
+import torch
+torch.set_num_threads(2)
+import cbcore.serve.engine_loop as engine_loop
+from cbcore import Engine
+from cbcore.testing.tiny_models import tiny_model
+
+def threads():
+    return len(os.listdir("/proc/self/task"))
+
+def settle(want):
+    for _ in range(200):
+        if threads() == want:
+            break
+        time.sleep(0.01)
+    return threads()
+
+if sys.argv[1] == "kept":
+    engine_loop.release_openmp_workers = lambda: "off for the control"
+before = threads()
+engine = Engine(tiny_model("llama"))
+torch.randn(1 << 22).exp_()  # a parallel region on this thread (building has run some): one pooled worker
+with_pool = settle(before + 1)
+loop = engine_loop.EngineLoop(engine)
+loop.start(asyncio.new_event_loop())
+print(before, with_pool, settle(with_pool))  # released: the engine thread replaces the worker
+loop.stop()
+"""
+
+
+def _threads(mode: str) -> list[int]:
+    done = subprocess.run([sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return [int(n) for n in done.stdout.split()[-3:]]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts /proc/self/task; libgomp")
+@pytest.mark.parametrize("mode", ["released", "kept"])
+def test_starting_the_engine_thread_ends_the_builders_openmp_workers(mode):
+    before, with_pool, after_start = _threads(mode)
+    assert with_pool == before + 1  # the region left a worker (else this test would prove nothing)
+    want = with_pool if mode == "released" else with_pool + 1  # + the engine thread, - the worker
+    assert after_start == want, (
+        f"{before} threads, {with_pool} with the pool, {after_start} after start ({mode})"
+    )
