@@ -183,9 +183,11 @@ def release_openmp_workers() -> str | None:
     starts a new pool.
     """
     try:
-        pause = ctypes.CDLL("libgomp.so.1").omp_pause_resource_all  # torch's own, already loaded
+        # torch's own, if it runs libgomp; not loading one of our own
+        loaded = ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        pause = loaded.omp_pause_resource_all
     except (OSError, AttributeError) as exc:
-        return f"no libgomp with omp_pause_resource_all ({exc})"
+        return f"torch runs no libgomp with omp_pause_resource_all ({exc})"
     pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
     if pause(1) != 0:  # omp_pause_soft
         return "omp_pause_resource_all refused (inside a parallel region?)"
