@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
+from script_processes import last_line_of_each
 
 # Page faults per step of alike prefills, not seconds: the same on a loaded machine. "returned" is
 # the control: the same engine with glibc's defaults (else this test would prove nothing here).
@@ -28,24 +28,8 @@ print(max(per_step[2:]))
 """
 
 
-def _worst_step_faults(*modes: str) -> list[int]:
-    """One process per mode, run side by side: faults are counted per process."""
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", SCRIPT, m], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        for m in modes
-    ]
-    worst = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0, err[-2000:]
-        worst.append(int(out.split()[-1]))
-    return worst
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_a_steps_freed_activations_serve_the_next_step_without_page_faults():
-    held, returned = _worst_step_faults("held", "returned")
+    (held,), (returned,) = last_line_of_each(SCRIPT, "held", "returned")
     assert returned > 200  # glibc's defaults: each prefill of 2,000 tokens maps fresh pages
     assert held < returned // 10, f"{held} page faults a step with freed memory held, {returned} without"

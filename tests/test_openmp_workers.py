@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
+from script_processes import last_line_of_each
 
 # Counts the process's threads, not seconds. A region of two threads leaves one pooled worker behind
 # on the thread that ran it; EngineLoop.start must end it (and adds the engine thread, which has made
@@ -41,18 +41,12 @@ loop.stop()
 """
 
 
-def _threads(mode: str) -> list[int]:
-    done = subprocess.run([sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return [int(n) for n in done.stdout.split()[-3:]]
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts /proc/self/task; libgomp")
-@pytest.mark.parametrize("mode", ["released", "kept"])
-def test_starting_the_engine_thread_ends_the_builders_openmp_workers(mode):
-    before, with_pool, after_start = _threads(mode)
-    assert with_pool == before + 1  # the region left a worker (else this test would prove nothing)
-    want = with_pool if mode == "released" else with_pool + 1  # + the engine thread, - the worker
-    assert after_start == want, (
-        f"{before} threads, {with_pool} with the pool, {after_start} after start ({mode})"
-    )
+def test_starting_the_engine_thread_ends_the_builders_openmp_workers():
+    released, kept = last_line_of_each(SCRIPT, "released", "kept")
+    for mode, (before, with_pool, after_start) in (("released", released), ("kept", kept)):
+        assert with_pool == before + 1  # the region left a worker (else this test would prove nothing)
+        want = with_pool if mode == "released" else with_pool + 1  # + the engine thread, - the worker
+        assert after_start == want, (
+            f"{before} threads, {with_pool} with the pool, {after_start} after start ({mode})"
+        )
