@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from cbcore.execution.backend import Backend, block_diagonal_causal_mask
+from cbcore.execution.backend import Backend
 from cbcore.execution.batch import FlatBatch
 from cbcore.execution.kv_cache import KVCache
 
@@ -59,3 +59,13 @@ class EagerBackend(Backend):
             mask.masked_fill_(~allowed, torch.finfo(dtype).min)
             batch.scratch[key] = mask
         return mask
+
+
+def block_diagonal_causal_mask(batch: FlatBatch, sliding_window: int | None) -> torch.Tensor:
+    """[T, K] bool: query t may see gathered key k (same sequence, not in the future, in the window)."""
+    same_seq = batch.token_seq_index[:, None] == batch.kv_seq_index[None, :]
+    delta = batch.positions[:, None] - batch.kv_positions[None, :]
+    allowed = same_seq & (delta >= 0)
+    if sliding_window is not None:
+        allowed &= delta < sliding_window
+    return allowed

@@ -78,14 +78,9 @@ class Engine(EngineCore):
         num_blocks = plan_num_blocks(config.kv_cache, KVGeometry.of(model), next(model.parameters()).dtype)
         scheduler, names = build_scheduler(config, num_blocks, clock)
         host_blocks = scheduler.blocks.num_host_blocks
+        execution = config.execution
         self.runner = ModelRunner(
-            model,
-            backend,
-            config.kv_cache.block_size,
-            num_blocks,
-            host_blocks,
-            linear=config.execution.linear,
-            forward=config.execution.forward,
+            model, backend, config.kv_cache.block_size, num_blocks, host_blocks, execution.linear, execution.forward
         )
         self.model = model
         text_cfg = model.config.get_text_config()

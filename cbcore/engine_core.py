@@ -103,7 +103,6 @@ class EngineCore:
         self.step_stats: deque[StepStats] = deque(maxlen=STEP_STATS_KEPT)
         self.step_totals = StepTotals()
         self.step_listeners: list[Callable[[StepRecord], None]] = []
-        self.num_preemptions_total = 0  # counted here, so that it holds for any Scheduler
         self._ids = itertools.count()
         self.steps = Steps(scheduler, names, clock)
         self._live: dict[str, Sequence] = {}  # every request added and not yet ended
@@ -204,7 +203,7 @@ class EngineCore:
             num_swapped=len(self._live) - num_waiting - num_running,
             kv_blocks_used=blocks.num_used_blocks,
             kv_blocks_total=blocks.num_blocks,
-            num_preemptions_total=self.num_preemptions_total,
+            num_preemptions_total=self.step_totals.preemptions,  # counted here: holds for any Scheduler
             prefix_cache_queries_tokens=blocks.prefix_cache_queries_tokens,
             prefix_cache_hits_tokens=blocks.prefix_cache_hits_tokens,
             num_waiting_tokens=waiting_tokens,
@@ -247,7 +246,6 @@ class EngineCore:
         for seq in out.failed:
             self._live.pop(seq.request_id, None)
         outputs[:0] = [RequestOutput.of(seq, [], self._text(seq)) for seq in out.failed]
-        self.num_preemptions_total += len(out.preempted)
         stats = StepStats(
             step=self.step_totals.steps + 1,
             num_seqs=len(out.scheduled),

@@ -170,26 +170,15 @@ class EngineLoad:
 
 @dataclass
 class StepTotals:
-    """Running aggregates over every step an engine ran (constant size, unlike a list of steps)."""
+    """Running counts over every step an engine ran (constant size, unlike a list of steps)."""
 
     steps: int = 0
-    tokens: int = 0
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
     mixed_steps: int = 0
     preemptions: int = 0
     max_seqs: int = 0
-    seconds: dict[str, float] = field(
-        default_factory=lambda: dict.fromkeys(("schedule", "prepare", "forward", "sample"), 0.0)
-    )
 
     def add(self, s: StepStats) -> None:
         self.steps += 1
-        self.tokens += s.num_tokens
-        self.prefill_tokens += s.num_prefill_tokens
-        self.decode_tokens += s.num_decode_tokens
         self.mixed_steps += s.is_mixed
         self.preemptions += s.num_preempted
         self.max_seqs = max(self.max_seqs, s.num_seqs)
-        for part in self.seconds:
-            self.seconds[part] += getattr(s, f"{part}_s")

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from cbcore import Engine, EngineConfig, SamplingParams
-from cbcore.execution.packed_linear import (
+from cbcore.models.packed_linear import (
     EXACT_ROWS,
     PAD_STEP,
     PIECE_ROWS,

@@ -15,10 +15,9 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from cbcore.scheduling.block_manager import BlockManager
-from cbcore.scheduling.prefix_hash import chain_hashes
 from cbcore.scheduling.sampling_params import SamplingParams
 from cbcore.scheduling.sequence import Sequence
-from cbcore.testing.block_invariants import check_blocks
+from cbcore.testing.block_invariants import chain_hashes, check_blocks
 
 NUM_BLOCKS, BLOCK_SIZE, HOST_BLOCKS = 16, 4, 8
 # Prompts drawn from a couple of stems over a tiny alphabet, so prefixes are shared often.

@@ -162,7 +162,7 @@ RECORDER = """
     import json
     from pydantic import BaseModel
     from cbcore import QueuePolicy, hookimpl
-    from cbcore.scheduling.request import thaw
+    from cbcore.bench.workload import thaw
 
     class Params(BaseModel):
         path: str

@@ -19,9 +19,8 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 from cbcore.bench.driver import ProgressFactory, RunResult, no_progress
-from cbcore.bench.workload import BenchRequest, Workload
+from cbcore.bench.workload import BenchRequest, Workload, thaw
 from cbcore.outputs import RequestMetrics, RequestOutput
-from cbcore.scheduling.request import thaw
 
 
 def run_http(

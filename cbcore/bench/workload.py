@@ -28,7 +28,16 @@ from typing import Any
 from pydantic import ConfigDict, Field, ValidationError, model_validator
 
 from cbcore.config import format_validation_error
-from cbcore.scheduling.request import EMPTY_ATTRS, RequestFields, freeze_attrs, thaw
+from cbcore.scheduling.request import EMPTY_ATTRS, RequestFields, freeze_attrs
+
+
+def thaw(value: Any) -> Any:
+    """Plain JSON (dicts and lists) from a frozen attribute value."""
+    if isinstance(value, Mapping):
+        return {key: thaw(item) for key, item in value.items()}
+    if isinstance(value, tuple | list):
+        return [thaw(item) for item in value]
+    return value
 
 
 class WorkloadError(ValueError):

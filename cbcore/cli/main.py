@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 
 from pydantic import ValidationError
@@ -57,11 +58,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def configure_logging(level: str = "warning", json_output: bool = False) -> None:
+    """Send ``cbcore`` logs to stderr at ``level``, as text or one JSON object per line."""
+    from cbcore import log
+
+    log.json_output = json_output
+    root = logging.getLogger("cbcore")
+    root.setLevel(level.upper())
+    root.handlers.clear()
+    handler = logging.StreamHandler(sys.stderr)
+    fmt = "%(message)s" if json_output else "%(asctime)s %(levelname)-7s %(message)s"
+    handler.setFormatter(logging.Formatter(fmt, datefmt="%H:%M:%S"))
+    root.addHandler(handler)
+    root.propagate = False
+    if level.lower() != "debug":
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    from cbcore.log import configure_logging
-
     configure_logging(args.log_level, args.log_json)
     try:
         return int(args.func(args) or 0)

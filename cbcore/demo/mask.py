@@ -1,7 +1,7 @@
 """The seeds' ``#``/``.`` picture of one packed step's block-diagonal causal mask.
 
 The picture is drawn from the very mask the backends use
-(:func:`cbcore.backend.block_diagonal_causal_mask`) over the step's
+(:func:`cbcore.backends.eager.block_diagonal_causal_mask`) over the step's
 :class:`~cbcore.batch.FlatBatch`. Unlike the seeds' toy, which re-assembled
 one ``[all cached | all new]`` key row every step, each sequence here reads
 only its own keys from the paged cache, so the key axis is grouped per
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from cbcore.backends.eager import block_diagonal_causal_mask
 from cbcore.engine import StepRecord
-from cbcore.execution.backend import block_diagonal_causal_mask
 
 MAX_TOKEN_TEXT = 64
 

@@ -70,13 +70,3 @@ class Backend:
         sliding_window: int | None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         raise NotImplementedError
-
-
-def block_diagonal_causal_mask(batch: FlatBatch, sliding_window: int | None) -> torch.Tensor:
-    """[T, K] bool: query t may see gathered key k (same sequence, not in the future, in the window)."""
-    same_seq = batch.token_seq_index[:, None] == batch.kv_seq_index[None, :]
-    delta = batch.positions[:, None] - batch.kv_positions[None, :]
-    allowed = same_seq & (delta >= 0)
-    if sliding_window is not None:
-        allowed &= delta < sliding_window
-    return allowed

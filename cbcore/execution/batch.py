@@ -44,14 +44,6 @@ class FlatBatch:
         return int(self.input_ids.shape[0])
 
     @property
-    def max_seqlen_q(self) -> int:
-        return max(self.query_lens, default=0)
-
-    @property
-    def max_seqlen_k(self) -> int:
-        return max(self.context_lens, default=0)
-
-    @property
     def device(self) -> torch.device:
         return self.input_ids.device
 

@@ -40,13 +40,6 @@ class KVCache:
         self.host_k = torch.zeros(host_shape, dtype=dtype, pin_memory=pin)
         self.host_v = torch.zeros(host_shape, dtype=dtype, pin_memory=pin)
 
-    @staticmethod
-    def bytes_per_block(
-        num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
-    ) -> int:
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
-
     @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes

@@ -168,27 +168,3 @@ def hold_freed_memory() -> str | None:
     if not (mallopt(_M_MMAP_THRESHOLD, HEAP_BLOCK_BYTES) and mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)):
         return "mallopt refused the thresholds"
     return None
-
-
-def release_openmp_workers() -> str | None:
-    """Let the calling thread's OpenMP workers go, before another thread steps the engine; None, else why not.
-
-    libgomp keeps a pool of workers for every thread that ran a parallel
-    region, and once its pools hold more threads than there are cores it stops
-    spinning between regions: every region then waits on a futex. A server
-    builds the engine on one thread and steps it on another, so both pools
-    live: one decode step of the default model took 54-61 ms on the engine
-    thread against 36-38 on the thread that built it (2-core host), and 39-45
-    once the builder's pool was released. Its next parallel region, if any,
-    starts a new pool.
-    """
-    try:
-        # torch's own, if it runs libgomp; not loading one of our own
-        loaded = ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
-        pause = loaded.omp_pause_resource_all
-    except (OSError, AttributeError) as exc:
-        return f"torch runs no libgomp with omp_pause_resource_all ({exc})"
-    pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
-    if pause(1) != 0:  # omp_pause_soft
-        return "omp_pause_resource_all refused (inside a parallel region?)"
-    return None

@@ -16,9 +16,9 @@ from cbcore.execution.backend import Backend
 from cbcore.execution.batch import FlatBatch, build_flat_batch
 from cbcore.execution.kv_cache import KVCache
 from cbcore.execution.native import hold_freed_memory
-from cbcore.execution.packed_linear import LinearKind, resolve_kind
 from cbcore.log import get_logger
 from cbcore.models.fused_decoder import FusedDecoder, fused_refusal
+from cbcore.models.packed_linear import LinearKind, resolve_kind
 from cbcore.scheduling.plan import StepPlan
 
 log = get_logger(__name__)
@@ -47,9 +47,8 @@ class KVGeometry:
 def plan_num_blocks(cfg: KVCacheConfig, geometry: KVGeometry, dtype: torch.dtype) -> int:
     if cfg.num_blocks is not None:
         return cfg.num_blocks
-    per_block = KVCache.bytes_per_block(
-        geometry.num_layers, cfg.block_size, geometry.num_kv_heads, geometry.head_dim, dtype
-    )
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    per_block = 2 * geometry.num_layers * cfg.block_size * geometry.num_kv_heads * geometry.head_dim * itemsize
     return max(1, math.floor(cfg.max_memory_mb * 2**20 / per_block))
 
 
@@ -72,15 +71,9 @@ class ModelRunner:
         backend.check(self.device, block_size, self.dtype)
         self.geometry = KVGeometry.of(model)
         self.block_size = block_size
+        g = self.geometry
         self.kv_cache = KVCache(
-            num_layers=self.geometry.num_layers,
-            num_blocks=num_blocks,
-            block_size=self.block_size,
-            num_kv_heads=self.geometry.num_kv_heads,
-            head_dim=self.geometry.head_dim,
-            dtype=self.dtype,
-            device=self.device,
-            num_host_blocks=num_host_blocks,
+            g.num_layers, num_blocks, block_size, g.num_kv_heads, g.head_dim, self.dtype, self.device, num_host_blocks
         )
         self._attn = AttentionContext(backend, self.kv_cache)
         why_freed = hold_freed_memory() if self.device.type == "cpu" else "not on the CPU"

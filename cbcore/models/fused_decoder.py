@@ -26,9 +26,9 @@ from torch import nn
 from transformers import LlamaForCausalLM, MistralForCausalLM, PreTrainedModel, Qwen2ForCausalLM
 
 from cbcore.execution.batch import FlatBatch
-from cbcore.execution.packed_linear import Product, small_gemm_refusal, warm
 from cbcore.log import get_logger
 from cbcore.models.decoder_ops import NativeOps, TorchOps, native_refusal
+from cbcore.models.packed_linear import Product, small_gemm_refusal, warm
 
 log = get_logger(__name__)
 

@@ -45,10 +45,3 @@ def extend_hashes(
     for offset in range(0, len(raw), width):
         parent = blake(parent + raw[offset : offset + width], digest_size=_DIGEST).digest()
         hashes.append(parent)
-
-
-def chain_hashes(token_ids: Seq[int], block_size: int, salt: str | None) -> list[BlockHash]:
-    """The hashes of every full block of ``token_ids`` (computed afresh; the invariant checks use it)."""
-    hashes: list[BlockHash] = []
-    extend_hashes(hashes, token_ids, block_size, salt, len(token_ids) // block_size)
-    return hashes

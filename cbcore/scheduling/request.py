@@ -62,7 +62,7 @@ def freeze_attrs(attrs: Mapping[str, Any] | None) -> Mapping[str, Any]:
     """A read-only deep copy of ``attrs``; raises ValueError on anything but JSON values.
 
     Objects become read-only mappings and arrays tuples, so a policy cannot
-    change them; :func:`thaw` turns them back into plain JSON.
+    change them; ``cbcore.bench.workload.thaw`` turns them back into plain JSON.
     """
     if attrs is None:
         return EMPTY_ATTRS
@@ -90,15 +90,6 @@ def _freeze(value: Any, where: str) -> Any:
     if isinstance(value, list | tuple):
         return tuple(_freeze(item, f"{where}[{i}]") for i, item in enumerate(value))
     raise ValueError(f"{where}: {type(value).__name__} {value!r} is not a JSON value")
-
-
-def thaw(value: Any) -> Any:
-    """Plain JSON (dicts and lists) from a frozen attribute value."""
-    if isinstance(value, Mapping):
-        return {key: thaw(item) for key, item in value.items()}
-    if isinstance(value, tuple | list):
-        return [thaw(item) for item in value]
-    return value
 
 
 #: Each field's type and check, for any model that carries it (the server's wire models name the client ``user``).

@@ -8,10 +8,18 @@ them against the sequences, from the outside).
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence as Seq
 
 from cbcore.scheduling.block_manager import BlockManager
-from cbcore.scheduling.prefix_hash import chain_hashes
+from cbcore.scheduling.prefix_hash import BlockHash, extend_hashes
 from cbcore.scheduling.sequence import Sequence
+
+
+def chain_hashes(token_ids: Seq[int], block_size: int, salt: str | None) -> list[BlockHash]:
+    """The hashes of every full block of ``token_ids`` (computed afresh, to check the manager's incremental ones)."""
+    hashes: list[BlockHash] = []
+    extend_hashes(hashes, token_ids, block_size, salt, len(token_ids) // block_size)
+    return hashes
 
 
 def check_blocks(self: BlockManager, live: list[Sequence]) -> None:

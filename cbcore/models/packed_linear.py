@@ -47,6 +47,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from cbcore.execution import native
 from cbcore.execution.native import NativeKernel
 
 #: Row counts oneDNN multiplies as they are; whole pieces, largest first; the padding step below the smallest.
@@ -58,7 +59,7 @@ HEAD_WARM_ROWS = 64
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 SMALL_GEMM = NativeKernel(
-    Path(__file__).with_name("small_gemm.c"), "cb_small_gemm", [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int]
+    Path(native.__file__).with_name("small_gemm.c"), "cb_small_gemm", [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int]
 )
 
 #: ``auto``: oneDNN where it can run (CPU, float32 weights; bfloat16 on CPUs with bf16 support), else standard.
