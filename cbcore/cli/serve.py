@@ -118,9 +118,7 @@ def run(args: argparse.Namespace) -> int:
 
     name = args.served_model_name or config.model.path or MODEL_NAME
     if scale.wants_replicas(args):
-        from cbcore.serve.server import READY
-
-        return scale.run(args, config, name, api_key, READY)
+        return scale.run(args, config, name, api_key)
     if args.threads is not None:
         import torch
 

@@ -42,9 +42,16 @@ def wants_replicas(args: argparse.Namespace) -> bool:
     return any(getattr(args, name, None) is not None for name in ("replicas", "ray_address", "route_prefix"))
 
 
-def run(args: argparse.Namespace, config: EngineConfig, model_name: str, api_key: str | None, ready_line: str) -> int:
+def run(args: argparse.Namespace, config: EngineConfig, model_name: str, api_key: str | None) -> int:
     from cbcore.cli.main import CLIError
+    from cbcore.scale.listeners import exposure
 
+    exposed = exposure(args.host, args.ray_address)  # refused before Ray's imports: in a second, not ten
+    if exposed and not args.accept_ray_exposure:
+        raise CLIError(
+            f"--replicas with these addresses listens beyond loopback: {exposed}. "
+            "Pass --accept-ray-exposure once the network is protected (docs/scale-out.md, 'What listens where')"
+        )
     try:
         import ray  # noqa: F401
         from ray import serve  # noqa: F401
@@ -52,14 +59,7 @@ def run(args: argparse.Namespace, config: EngineConfig, model_name: str, api_key
         raise CLIError(f"--replicas needs the ray extra ({exc.name} is missing): pip install 'cbcore[ray]'") from None
     from cbcore.scale.app import ScaleOptions
     from cbcore.scale.app import run as run_app
-    from cbcore.scale.listeners import exposure
-
-    exposed = exposure(args.host, args.ray_address)
-    if exposed and not args.accept_ray_exposure:
-        raise CLIError(
-            f"--replicas with these addresses listens beyond loopback: {exposed}. "
-            "Pass --accept-ray-exposure once the network is protected (docs/scale-out.md, 'What listens where')"
-        )
+    from cbcore.serve.server import READY
 
     try:
         options = ScaleOptions(
@@ -80,5 +80,5 @@ def run(args: argparse.Namespace, config: EngineConfig, model_name: str, api_key
         host=args.host,
         port=args.port,
         api_key=api_key,
-        ready_line=ready_line,
+        ready_line=READY,
     )

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_helpers import PLUGIN, run_driver, tiny_dir  # noqa: F401  (tiny_dir is a fixture)
+from vllm_helpers import PLUGIN, driver_results, start_driver, start_servers_early, tiny_dir  # noqa: F401  (a fixture)
 from vllm_trace import run_cbcore, trace
 
 # Every test here starts vLLM (from .venv-vllm, `make vllm-setup`); they run in CI.
@@ -223,9 +223,13 @@ def preemption_config(log: Path) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, dict[str, Any]], Path]:
+def runs(
+    tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> tuple[dict[str, dict[str, Any]], Path]:
     work = tmp_path_factory.mktemp("vllm-offline")
-    return run_driver(scenarios(tiny_dir, work), work), work
+    driver = start_driver(scenarios(tiny_dir, work), work)
+    start_servers_early(request)  # the servers' start-ups share the cores with the driver's
+    return driver_results(driver, work), work
 
 
 def events(path: Path) -> list[dict[str, Any]]:

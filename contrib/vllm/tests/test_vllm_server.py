@@ -7,27 +7,21 @@ the token and per-request-field checks, and one start that must fail.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_helpers import PLUGIN, free_port, server_command, server_env, stop_server, tiny_dir, wait_healthy  # noqa: F401
+from vllm_helpers import SERVER_SCHED as SCHED
+from vllm_helpers import tiny_dir, vllm_servers, wait_healthy  # noqa: F401  (tiny_dir is a fixture)
 
 # Every test here starts vLLM (from .venv-vllm, `make vllm-setup`); they run in CI.
 pytestmark = pytest.mark.vllm
 
 PROMPTS = ["The capital of France is", "Once upon a time", "In machine learning, a transformer is"]
 MAX_TOKENS = 16
-SCHED = {
-    "queue": {"name": "sjf"},
-    "budget": {"name": "token-budget", "max_num_seqs": 4, "max_num_batched_tokens": 256},
-    "prefill": {"name": "chunked-prefill", "chunk_size": 8},
-}
 
 
 @pytest.fixture(scope="module")
@@ -38,24 +32,16 @@ def default_dir() -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(default_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    work = tmp_path_factory.mktemp("vllm-server")
-    events = work / "events.jsonl"
-    sched = {**SCHED, "queue": {"name": "longest-prompt-first", "log": str(events)}}
-    port = free_port()
-    log = work / "server.log"
-    cmd = server_command(
-        default_dir, port, {"plugins": [PLUGIN], "scheduler": sched}, "--scheduling-policy", "priority",
-        "--max-num-seqs", "4", "--max-num-batched-tokens", "256", "--served-model-name", "smollm",
-    )
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, env=server_env(), stdout=out, stderr=subprocess.STDOUT, text=True)
-        try:
-            startup = wait_healthy(proc, port, log)
-            sys.stderr.write(f"vLLM server (default model) healthy after {startup:.1f} s\n")
-            yield {"port": port, "events": events, "log": log, "startup_s": startup}
-        finally:
-            stop_server(proc)
+def adapter_servers(request: pytest.FixtureRequest) -> dict[str, Any]:
+    return vllm_servers(request)  # started already if the offline tests ran first
+
+
+@pytest.fixture(scope="module")
+def server(adapter_servers: dict[str, Any]) -> dict[str, Any]:
+    started = adapter_servers["default"]
+    wait_healthy(started.proc, adapter_servers["port"], started.log)
+    sys.stderr.write(f"vLLM server (default model) healthy {time.monotonic() - started.t0:.1f} s after it started\n")
+    return {"port": adapter_servers["port"], "events": adapter_servers["events"]}
 
 
 def complete(port: int, **body: Any) -> dict[str, Any]:
@@ -106,14 +92,11 @@ def test_client_id_deadline_and_attrs_reach_the_policy(server: dict[str, Any]) -
     assert e["max_new_tokens"] == 2
 
 
-def test_unknown_plugin_stops_the_server_naming_it(tiny_dir: Path, tmp_path: Path) -> None:
-    cbcore = {"scheduler": {"queue": {"name": "priorty"}}}
-    cmd = server_command(tiny_dir, free_port(), cbcore, "--skip-tokenizer-init", "--max-num-batched-tokens", "256")
-    t0 = time.monotonic()
-    proc = subprocess.run(cmd, env=server_env(), capture_output=True, text=True, timeout=900)
-    sys.stderr.write(f"vLLM server with an unknown plugin exited after {time.monotonic() - t0:.1f} s\n")
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0
+def test_unknown_plugin_stops_the_server_naming_it(adapter_servers: dict[str, Any]) -> None:
+    started = adapter_servers["unknown-plugin"]  # config {"scheduler": {"queue": {"name": "priorty"}}}
+    out = started.wait(900)
+    sys.stderr.write(f"vLLM server with an unknown plugin exited {time.monotonic() - started.t0:.1f} s after it started\n")
+    assert started.proc.returncode != 0
     assert "scheduler.queue: unknown queue plugin 'priorty' (did you mean 'priority'?)" in out, out[-3000:]
 
 

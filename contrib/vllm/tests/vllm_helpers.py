@@ -4,8 +4,8 @@ vLLM pins torch and transformers differently from cbcore, so these tests run in
 cbcore's venv (for cbcore's engine, the reference side) and start vLLM from
 ``.venv-vllm`` (``make vllm-setup``). Start-ups are the cost here (about 20 s
 to import vLLM, a few seconds per engine on the tiny model, more on the default
-model), so every offline scenario runs in one driver process, and one server
-serves all the HTTP checks.
+model), so every offline scenario runs in one driver process, one server
+serves all the HTTP checks, and the processes start together (:class:`Started`).
 """
 
 from __future__ import annotations
@@ -53,22 +53,47 @@ def vllm_env() -> dict[str, str]:
     return env
 
 
-def run_driver(scenarios: list[dict[str, Any]], workdir: Path, timeout_s: float = 1200) -> dict[str, dict[str, Any]]:
-    spec, out = workdir / "spec.json", workdir / "out.json"
+class Started:
+    """A vLLM process started now and waited for where a test needs it.
+
+    A start-up is mostly one core's worth of imports and model loading, so the
+    suite's three vLLM processes (the offline driver, the server, the server
+    that must refuse its config) start together and share the cores instead of
+    starting one after another.
+    """
+
+    def __init__(self, cmd: list[str], env: dict[str, str], log: Path) -> None:
+        self.log, self.t0 = log, time.monotonic()
+        with log.open("w") as out:
+            self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+
+    def wait(self, timeout_s: float) -> str:
+        """Its output once it has exited (killed, and the test failed, after ``timeout_s``)."""
+        try:
+            self.proc.wait(timeout=max(1.0, timeout_s - (time.monotonic() - self.t0)))
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(f"{self.proc.args[:3]} still running after {timeout_s} s:\n{self.log_tail()}") from None
+        return self.log.read_text()
+
+    def log_tail(self) -> str:
+        return self.log.read_text()[-4000:]
+
+
+def start_driver(scenarios: list[dict[str, Any]], workdir: Path) -> Started:
+    spec = workdir / "spec.json"
     spec.write_text(json.dumps({"scenarios": scenarios}))
-    t0 = time.monotonic()
-    proc = subprocess.run(
-        [str(vllm_python()), DRIVER, str(spec), str(out)],
-        env=vllm_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-    )
-    (workdir / "driver.log").write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0 or not out.exists():
-        raise AssertionError(f"vLLM driver failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return Started([str(vllm_python()), DRIVER, str(spec), str(workdir / "out.json")], vllm_env(), workdir / "driver.log")
+
+
+def driver_results(driver: Started, workdir: Path, timeout_s: float = 1200) -> dict[str, dict[str, Any]]:
+    driver.wait(timeout_s)
+    out = workdir / "out.json"
+    if driver.proc.returncode != 0 or not out.exists():
+        raise AssertionError(f"vLLM driver failed (rc {driver.proc.returncode}):\n{driver.log_tail()}")
     results = {r["name"]: r for r in json.loads(out.read_text())["results"]}
-    sys.stderr.write(f"vLLM driver: {time.monotonic() - t0:.1f} s for {len(scenarios)} engines\n")
+    sys.stderr.write(f"vLLM driver: {time.monotonic() - driver.t0:.1f} s for {len(results)} engines\n")
     return results
 
 
@@ -139,6 +164,51 @@ def wait_healthy(proc: subprocess.Popen[str], port: int, log: Path, timeout_s: f
             pass
         time.sleep(1.0)
     raise AssertionError(f"vLLM server not healthy after {timeout_s} s:\n{log.read_text()[-4000:]}")
+
+
+# The default-model server's policies (test_vllm_server.py checks its tokens against cbcore's engine with them).
+SERVER_SCHED = {
+    "queue": {"name": "sjf"},
+    "budget": {"name": "token-budget", "max_num_seqs": 4, "max_num_batched_tokens": 256},
+    "prefill": {"name": "chunked-prefill", "chunk_size": 8},
+}
+
+
+_SERVERS: dict[str, Any] = {}
+
+
+def vllm_servers(request: pytest.FixtureRequest) -> dict[str, Any]:
+    """Both servers of test_vllm_server.py, started at once on the first call and stopped when the session ends:
+    one on the default model with the recorder plugin's queue (``events`` is its log), and one on the tiny model
+    naming an unknown plugin, which must exit. (Not a fixture: a fixture imported into two modules is two.)"""
+    from cbcore.models.default_model import default_model_dir
+
+    if _SERVERS:
+        return _SERVERS
+    work = request.getfixturevalue("tmp_path_factory").mktemp("vllm-servers")
+    events, port = work / "events.jsonl", free_port()
+    sched = {**SERVER_SCHED, "queue": {"name": "longest-prompt-first", "log": str(events)}}
+    default = server_command(
+        default_model_dir(), port, {"plugins": [PLUGIN], "scheduler": sched}, "--scheduling-policy", "priority",
+        "--max-num-seqs", "4", "--max-num-batched-tokens", "256", "--served-model-name", "smollm",
+    )  # fmt: skip
+    unknown = server_command(
+        request.getfixturevalue("tiny_dir"), free_port(), {"scheduler": {"queue": {"name": "priorty"}}},
+        "--skip-tokenizer-init", "--max-num-batched-tokens", "256",
+    )  # fmt: skip
+    started = {
+        "default": Started(default, server_env(), work / "server.log"),
+        "unknown-plugin": Started(unknown, server_env(), work / "unknown-plugin.log"),
+    }
+    request.session.addfinalizer(lambda: [stop_server(s.proc) for s in started.values()])
+    _SERVERS.update(port=port, events=events, **started)
+    return _SERVERS
+
+
+def start_servers_early(request: pytest.FixtureRequest) -> None:
+    """Start :func:`vllm_servers` now if a selected test will use them, so that their start-ups overlap what follows."""
+    if any("adapter_servers" in getattr(item, "fixturenames", ()) for item in request.session.items):
+        vllm_servers(request)
 
 
 @pytest.fixture(scope="session")
