@@ -9,13 +9,14 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 from vllm_helpers import SERVER_SCHED as SCHED
-from vllm_helpers import tiny_dir, vllm_servers, wait_healthy  # noqa: F401  (tiny_dir is a fixture)
+from vllm_helpers import stop_servers, tiny_dir, vllm_servers, wait_healthy  # noqa: F401  (tiny_dir is a fixture)
 
 # Every test here starts vLLM (from .venv-vllm, `make vllm-setup`); they run in CI.
 pytestmark = pytest.mark.vllm
@@ -32,8 +33,9 @@ def default_dir() -> Path:
 
 
 @pytest.fixture(scope="module")
-def adapter_servers(request: pytest.FixtureRequest) -> dict[str, Any]:
-    return vllm_servers(request)  # started already if the offline tests ran first
+def adapter_servers(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
+    yield vllm_servers(request)  # started already if the offline tests ran first
+    stop_servers()
 
 
 @pytest.fixture(scope="module")

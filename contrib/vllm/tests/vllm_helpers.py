@@ -178,9 +178,10 @@ _SERVERS: dict[str, Any] = {}
 
 
 def vllm_servers(request: pytest.FixtureRequest) -> dict[str, Any]:
-    """Both servers of test_vllm_server.py, started at once on the first call and stopped when the session ends:
-    one on the default model with the recorder plugin's queue (``events`` is its log), and one on the tiny model
-    naming an unknown plugin, which must exit. (Not a fixture: a fixture imported into two modules is two.)"""
+    """Both servers of test_vllm_server.py, started at once on the first call: one on the default model with
+    the recorder plugin's queue (``events`` is its log), and one on the tiny model naming an unknown plugin,
+    which must exit. :func:`stop_servers` stops them when that module ends, else when the session does.
+    (Not a fixture: a fixture imported into two modules is two fixtures, and would start two of each.)"""
     from cbcore.models.default_model import default_model_dir
 
     if _SERVERS:
@@ -200,9 +201,16 @@ def vllm_servers(request: pytest.FixtureRequest) -> dict[str, Any]:
         "default": Started(default, server_env(), work / "server.log"),
         "unknown-plugin": Started(unknown, server_env(), work / "unknown-plugin.log"),
     }
-    request.session.addfinalizer(lambda: [stop_server(s.proc) for s in started.values()])
+    request.session.addfinalizer(stop_servers)  # if the tests that use them never get to stop them
     _SERVERS.update(port=port, events=events, **started)
     return _SERVERS
+
+
+def stop_servers() -> None:
+    for started in _SERVERS.values():
+        if isinstance(started, Started):
+            stop_server(started.proc)
+    _SERVERS.clear()
 
 
 def start_servers_early(request: pytest.FixtureRequest) -> None:
