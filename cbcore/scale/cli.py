@@ -46,7 +46,7 @@ def run(args: argparse.Namespace, config: EngineConfig, model_name: str, api_key
     from cbcore.cli.main import CLIError
     from cbcore.scale.listeners import exposure
 
-    exposed = exposure(args.host, args.ray_address)  # refused before Ray's imports: in a second, not ten
+    exposed = exposure(args.host, args.ray_address)  # checked before importing Ray, which takes seconds
     if exposed and not args.accept_ray_exposure:
         raise CLIError(
             f"--replicas with these addresses listens beyond loopback: {exposed}. "
