@@ -102,6 +102,15 @@ class FailsAtStepEnd(FCFS):
             raise RuntimeError("bookkeeping bug")
 
 
+class InterruptedAtStepEnd(FCFS):
+    name = "interrupted-at-step-end"
+    broken = True
+
+    def on_step_end(self, results, now):
+        if self.broken and any(r.seq.num_output_tokens == 3 for r in results):
+            raise KeyboardInterrupt  # Ctrl-C landing while the policy runs
+
+
 class KeyFails(FCFS):
     name = "key-fails"
     broken = True
@@ -344,6 +353,21 @@ def test_on_step_end_raising_undoes_the_step(models):
     assert len(final) == 1 and len(final[0].output_token_ids) == 3
     ref = reference_generate(model, [PROMPTS[0][:6]], [3])[0]
     assert final[0].output_token_ids == ref.token_ids
+    assert_clean(engine)
+
+
+def test_a_ctrl_c_inside_a_policy_undoes_the_step_and_stays_a_ctrl_c(models):
+    model = models["llama"]
+    engine = engine_for(model, {"queue": path("InterruptedAtStepEnd")})
+    rid = engine.add_request(PROMPTS[0][:6], SamplingParams(max_new_tokens=3))
+    with pytest.raises(KeyboardInterrupt) as caught:  # not a SchedulerError blaming the policy
+        for _ in range(10):
+            engine.step()
+    assert caught.type is KeyboardInterrupt
+    assert engine._live[rid].num_output_tokens == 2  # the third token was taken back
+    engine.scheduler.queue.broken = False
+    final = [o for _ in range(3) for o in engine.step() if o.finished]
+    assert final[0].output_token_ids == reference_generate(model, [PROMPTS[0][:6]], [3])[0].token_ids
     assert_clean(engine)
 
 

@@ -285,9 +285,10 @@ def named(exc: BaseException, names: Mapping[int, str], request_id: str | None =
     """``exc`` as a :class:`SchedulerError` naming the plugin frame it came from (else unchanged).
 
     ``names`` maps ``id(plugin)`` to its description; ``request_id`` is the
-    request to name when the traceback shows none.
+    request to name when the traceback shows none. Only errors are named: a
+    Ctrl-C or exit that lands while a policy runs is the caller's, not the policy's fault.
     """
-    if isinstance(exc, SchedulerError):
+    if isinstance(exc, SchedulerError) or not isinstance(exc, Exception):
         return exc
     found = blame(exc, names)
     if found is None:
