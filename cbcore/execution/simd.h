@@ -1,5 +1,5 @@
 /* What cbcore's C kernels share: CB_AVX2 (1 where the compiler targets AVX2 with FMA, else 0: the
- * kernels' plain loops run) and, there, exp8.
+ * kernels' plain loops run), CB_AVX512 (1 where it also targets AVX-512F) and, with AVX2, exp8.
  *
  * exp8: e^x for eight floats at once. x = n ln2 + r with |r| <= ln2 / 2, e^r by a degree-6
  * polynomial (Cephes' expf coefficients), times 2^n through the exponent bits. Within 1 ulp of expf on [-86.5, 88] (checked at every 1e-6 step);
@@ -30,5 +30,10 @@ static inline __m256 exp8(__m256 x) {
 }
 #else
 #define CB_AVX2 0
+#endif
+#if CB_AVX2 && defined(__AVX512F__)
+#define CB_AVX512 1
+#else
+#define CB_AVX512 0
 #endif
 #endif
