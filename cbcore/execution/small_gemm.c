@@ -56,32 +56,19 @@ static inline __attribute__((always_inline)) void block(const float *restrict x,
     }
 }
 
-int cb_small_gemm(const float *restrict x, const float *restrict w, const float *restrict bias, float *restrict out,
-                  int64_t m, int64_t n, int64_t k, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t r0 = 0; r0 < n; r0 += 4) {
-        const int64_t rows = n - r0 < 4 ? n - r0 : 4;
-        const float *wr[4] = {w + r0 * k, w + (r0 + (rows > 1)) * k, w + (r0 + 2 * (rows > 2)) * k,
-                              w + (r0 + 3 * (rows > 3)) * k};
-        const float *next = r0 + 4 * AHEAD + 4 <= n ? w + (r0 + 4 * AHEAD) * k : NULL;
-        for (int64_t i = 0; i < m; i += 4) {
-            float s[16];
-            const int64_t nx = m - i < 4 ? m - i : 4;
-            const float *ahead = i == 0 ? next : NULL;
-            if (nx == 4)
-                block(x + i * k, 4, wr, ahead, k, s);
-            else if (nx == 3)
-                block(x + i * k, 3, wr, ahead, k, s);
-            else if (nx == 2)
-                block(x + i * k, 2, wr, ahead, k, s);
-            else
-                block(x + i * k, 1, wr, ahead, k, s);
-            for (int64_t a = 0; a < nx; a++)
-                for (int64_t j = 0; j < rows; j++) out[(i + a) * n + r0 + j] = s[4 * a + j] + (bias ? bias[r0 + j] : 0.f);
-        }
-    }
-    return 0;
+/* Up to four input rows against w[0..3]; each count gets its own unrolled copy of block. */
+static inline void group(const float *restrict x, int64_t nx, const float *const w[4], const float *ahead, int64_t k,
+                         float s[16]) {
+    if (nx == 4)
+        block(x, 4, w, ahead, k, s);
+    else if (nx == 3)
+        block(x, 3, w, ahead, k, s);
+    else if (nx == 2)
+        block(x, 2, w, ahead, k, s);
+    else
+        block(x, 1, w, ahead, k, s);
 }
+enum { GROUP = 4 };
 #elif CB_AVX2
 
 static inline float hsum(__m256 v) {
@@ -133,6 +120,19 @@ static inline void block1(const float *restrict xa, const float *const w[4], int
     tail(xa, w, vec, k, s);
 }
 
+/* Up to two input rows against w[0..3] (AVX2 has no room for more accumulators). */
+static inline void group(const float *restrict x, int64_t nx, const float *const w[4], const float *ahead, int64_t k,
+                         float s[16]) {
+    (void)ahead;
+    if (nx == 2)
+        block2(x, x + k, w, k, s);
+    else
+        block1(x, w, k, s);
+}
+enum { GROUP = 2, AHEAD = 0 };
+#endif
+
+#if CB_AVX2
 int cb_small_gemm(const float *restrict x, const float *restrict w, const float *restrict bias, float *restrict out,
                   int64_t m, int64_t n, int64_t k, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -141,18 +141,13 @@ int cb_small_gemm(const float *restrict x, const float *restrict w, const float 
         /* A last block of fewer than four rows repeats its first row in the unused lanes. */
         const float *wr[4] = {w + r0 * k, w + (r0 + (rows > 1)) * k, w + (r0 + 2 * (rows > 2)) * k,
                               w + (r0 + 3 * (rows > 3)) * k};
-        for (int64_t i = 0; i < m; i += 2) {
-            float s[8];
-            const int64_t pair = i + 1 < m;
-            if (pair)
-                block2(x + i * k, x + (i + 1) * k, wr, k, s);
-            else
-                block1(x + i * k, wr, k, s);
-            for (int64_t j = 0; j < rows; j++) {
-                const float b = bias ? bias[r0 + j] : 0.f;
-                out[i * n + r0 + j] = s[j] + b;
-                if (pair) out[(i + 1) * n + r0 + j] = s[4 + j] + b;
-            }
+        const float *next = AHEAD && r0 + 4 * AHEAD + 4 <= n ? w + (r0 + 4 * AHEAD) * k : NULL;
+        for (int64_t i = 0; i < m; i += GROUP) {
+            float s[16];
+            const int64_t nx = m - i < GROUP ? m - i : GROUP;
+            group(x + i * k, nx, wr, i == 0 ? next : NULL, k, s);
+            for (int64_t a = 0; a < nx; a++)
+                for (int64_t j = 0; j < rows; j++) out[(i + a) * n + r0 + j] = s[4 * a + j] + (bias ? bias[r0 + j] : 0.f);
         }
     }
     return 0;
