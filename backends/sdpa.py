@@ -117,37 +117,19 @@ def build_decode_plan(
         rows = batch.cu_seqlens_q.long()[torch.tensor(seq_ids, device=device)]
     if paged:
         tables = batch.block_tables if rows is None else batch.block_tables[torch.tensor(seq_ids)]
-        keys: GatheredRows | PagedRows = PagedRows(
-            tables.contiguous(),
-            torch.tensor(starts, dtype=torch.long),
-            torch.tensor(counts, dtype=torch.long),
-            batch.block_size,
-        )
-    else:
-        keys = gathered_rows(batch, seq_ids, starts, counts, dtype)
-    return DecodePlan(rows, keys)
-
-
-def gathered_rows(
-    batch: FlatBatch, seq_ids: list[int], starts: list[int], counts: list[int], dtype: torch.dtype
-) -> GatheredRows:
-    """Right-padded key slots per row, and the padding mask if lengths differ.
-
-    The mask is additive and already in the query dtype: SDPA would convert a
-    boolean mask on every call, this one is built once and used by every layer.
-    """
-    device = batch.device
+        start, count = torch.tensor(starts, dtype=torch.long), torch.tensor(counts, dtype=torch.long)
+        return DecodePlan(rows, PagedRows(tables.contiguous(), start, count, batch.block_size))
+    # Gathered: right-padded key slots per row, and the padding mask if lengths differ. The mask is
+    # additive and already in the query dtype: SDPA would convert a boolean mask on every call, this
+    # one is built once and used by every layer.
     width = max(counts)
-    offsets = torch.arange(width, device=device)
-    start = torch.tensor(starts, device=device)[:, None]
-    count = torch.tensor(counts, device=device)[:, None]
-    valid = offsets[None, :] < count
+    offsets = torch.arange(width, device=device)[None, :]
+    valid = offsets < torch.tensor(counts, device=device)[:, None]
     # Padding reuses the row's first key: a real slot, masked out below.
-    positions = start + torch.where(valid, offsets[None, :], 0)
+    positions = torch.tensor(starts, device=device)[:, None] + torch.where(valid, offsets, 0)
     tables = batch.block_tables.long()[torch.tensor(seq_ids, device=device)]
-    slots = _slots(tables, positions, batch.block_size)
     mask = _additive(valid, dtype)[:, None, None, :] if min(counts) != width else None
-    return GatheredRows(slots, mask)
+    return DecodePlan(rows, GatheredRows(_slots(tables, positions, batch.block_size), mask))
 
 
 def build_span_plan(
@@ -159,20 +141,15 @@ def build_span_plan(
     first_query = ctx - q_len
     lo, hi = visible_key_range(ctx, q_len, sliding_window)
     fresh = first_query == 0
-    slots = None
-    if not fresh:
-        positions = torch.arange(lo, hi, device=device)
-        slots = _slots(batch.block_tables.long()[i], positions, batch.block_size)
-    windowed = sliding_window is not None and sliding_window < ctx
-    mask = None
-    if not fresh or windowed:
-        q_pos = torch.arange(first_query, ctx, device=device)[:, None]
-        k_pos = torch.arange(lo, hi, device=device)[None, :]
-        allowed = k_pos <= q_pos
-        if sliding_window is not None:
-            allowed &= q_pos - k_pos < sliding_window
-        mask = _additive(allowed, dtype)
-    return SpanPlan(q_start, q_start + q_len, fresh, slots, mask)
+    if fresh and (sliding_window is None or sliding_window >= ctx):  # a whole prompt, no window: is_causal
+        return SpanPlan(q_start, q_start + q_len, fresh, None, None)
+    k_pos = torch.arange(lo, hi, device=device)
+    slots = None if fresh else _slots(batch.block_tables.long()[i], k_pos, batch.block_size)
+    q_pos = torch.arange(first_query, ctx, device=device)[:, None]
+    allowed = k_pos <= q_pos
+    if sliding_window is not None:
+        allowed &= q_pos - k_pos < sliding_window
+    return SpanPlan(q_start, q_start + q_len, fresh, slots, _additive(allowed, dtype))
 
 
 def build_plan(batch: FlatBatch, sliding_window: int | None, dtype: torch.dtype, paged: bool) -> SdpaPlan:
@@ -193,10 +170,7 @@ class SdpaBackend(Backend):
 
     name = "sdpa"
     Params = SdpaParams
-
-    def __init__(self, params: BaseModel | None = None) -> None:
-        super().__init__(params)
-        self._paged: bool | None = None  # decided by check()
+    _paged: bool | None = None  # decided by check()
 
     def check(self, device: torch.device, block_size: int, dtype: torch.dtype) -> None:
         super().check(device, block_size, dtype)
@@ -219,8 +193,7 @@ class SdpaBackend(Backend):
                     f"{device}; use decode='auto' or 'gather'"
                 )
             return False
-        reason = paged_decode.unavailable_reason()
-        if reason is None:
+        if (reason := paged_decode.unavailable_reason()) is None:
             return True
         if mode == "paged":
             raise BackendUnavailable(f"backend 'sdpa' with decode='paged': {reason}")
@@ -228,16 +201,9 @@ class SdpaBackend(Backend):
         return False
 
     def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        layer_idx: int,
-        batch: FlatBatch,
-        kv_cache: KVCache,
-        scaling: float,
-        sliding_window: int | None,
-    ) -> torch.Tensor:
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, batch: FlatBatch,
+        kv_cache: KVCache, scaling: float, sliding_window: int | None,
+    ) -> torch.Tensor:  # fmt: skip
         if self._paged is None:
             self.check(query.device, kv_cache.block_size, query.dtype)
         plan = self.plan(batch, sliding_window, query.dtype, bool(self._paged))
@@ -250,7 +216,18 @@ class SdpaBackend(Backend):
             decoded = self._decode(query.index_select(0, rows), k_pool, v_pool, plan.decode, scaling)
             out.index_copy_(0, rows, decoded)
         for span in plan.spans:
-            out[span.q_start : span.q_end] = self._span(query, key, value, k_pool, v_pool, span, scaling)
+            span_rows = slice(span.q_start, span.q_end)
+            if span.fresh:
+                k, v = key[span_rows], value[span_rows]
+            else:
+                k, v = k_pool.index_select(0, span.slots), v_pool.index_select(0, span.slots)
+            q = query[span_rows].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
+            k = k.transpose(0, 1).unsqueeze(0)  # [1, Hkv, n_keys, D]
+            v = v.transpose(0, 1).unsqueeze(0)
+            out[span_rows] = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=span.mask, is_causal=span.mask is None, scale=scaling,
+                enable_gqa=q.shape[1] != k.shape[1],
+            )[0].transpose(0, 1)  # fmt: skip
         return out
 
     @staticmethod
@@ -278,32 +255,3 @@ class SdpaBackend(Backend):
         v = v_pool.index_select(0, flat).view(shape).transpose(1, 2)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=keys.mask, scale=scaling)
         return out.reshape(num_rows, num_heads, head_dim)
-
-    @staticmethod
-    def _span(
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        k_pool: torch.Tensor,
-        v_pool: torch.Tensor,
-        span: SpanPlan,
-        scaling: float,
-    ) -> torch.Tensor:
-        rows = slice(span.q_start, span.q_end)
-        if span.fresh:
-            k, v = key[rows], value[rows]
-        else:
-            k, v = k_pool.index_select(0, span.slots), v_pool.index_select(0, span.slots)
-        q = query[rows].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
-        k = k.transpose(0, 1).unsqueeze(0)  # [1, Hkv, n_keys, D]
-        v = v.transpose(0, 1).unsqueeze(0)
-        out = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=span.mask,
-            is_causal=span.mask is None,
-            scale=scaling,
-            enable_gqa=q.shape[1] != k.shape[1],
-        )
-        return out[0].transpose(0, 1)

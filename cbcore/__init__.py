@@ -42,11 +42,9 @@ __all__ = [*_EXPORTS, "__version__"]
 
 
 def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
+    if name not in _EXPORTS:
         raise AttributeError(f"module 'cbcore' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
+    value = globals()[name] = getattr(importlib.import_module(_EXPORTS[name]), name)
     return value
 
 

@@ -20,16 +20,16 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, StrictBool, Vali
 from cbcore.plugins import get_registry, validation_problems
 
 CACHE_ENV = "CBCORE_CACHE_DIR"
+#: The scheduler's four policy slots, in the order they are checked.
+SLOTS = ("queue", "budget", "prefill", "preemption")
 
 
 def cache_root() -> Path:
     """Where cbcore keeps what it computes once per machine (the converted default model,
     compiled kernels): ``$CBCORE_CACHE_DIR``, else ``$XDG_CACHE_HOME/cbcore``, else ``~/.cache/cbcore``."""
-    explicit = os.environ.get(CACHE_ENV)
-    if explicit:
+    if explicit := os.environ.get(CACHE_ENV):
         return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "cbcore"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "cbcore"
 
 
 class PluginSpec(BaseModel):
@@ -68,12 +68,8 @@ class SchedulerConfig(BaseModel):
         """A slot given only parameters (``--set scheduler.prefill.chunk_size=32``) keeps its default policy."""
         if not isinstance(data, dict):
             return data
-        data = dict(data)
-        for slot in ("queue", "budget", "prefill", "preemption"):
-            value = data.get(slot)
-            if isinstance(value, dict) and "name" not in value:
-                data[slot] = {"name": cls.model_fields[slot].default.name, **value}
-        return data
+        named = {slot: {"name": cls.model_fields[slot].default.name} for slot in SLOTS}
+        return {k: named[k] | v if k in named and isinstance(v, dict) else v for k, v in data.items()}
 
 
 class KVCacheConfig(BaseModel):
@@ -173,11 +169,9 @@ class EngineConfig(BaseModel):
         registry = get_registry(tuple(self.plugins))
         if self.scheduler.name is not None:
             registry.params_for("scheduler", self.scheduler.name, self.scheduler.params, "scheduler")
-        for slot in ("queue", "budget", "prefill", "preemption"):
-            spec: PluginSpec = getattr(self.scheduler, slot)
-            registry.params_for(slot, spec.name, spec.params, f"scheduler.{slot}")
-        registry.params_for("backend", self.backend.name, self.backend.params, "backend")
-        registry.params_for("router", self.router.name, self.router.params, "router")
+        specs: dict[str, PluginSpec] = {f"scheduler.{slot}": getattr(self.scheduler, slot) for slot in SLOTS}
+        for where, spec in {**specs, "backend": self.backend, "router": self.router}.items():
+            registry.params_for(where.removeprefix("scheduler."), spec.name, spec.params, where)
         return self
 
     # -- loading -------------------------------------------------------------
@@ -188,8 +182,10 @@ class EngineConfig(BaseModel):
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], overrides: list[str] | None = None) -> EngineConfig:
-        data = apply_overrides(data, overrides or [])
-        return cls.model_validate(data)
+        return cls.model_validate(apply_overrides(data, overrides or []))
+
+
+_PARSERS = {".toml": tomllib.loads, ".json": json.loads, ".yaml": yaml.safe_load, ".yml": yaml.safe_load}
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
@@ -198,29 +194,22 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         text = path.read_text()
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    parse = _PARSERS.get(path.suffix)
+    if parse is None:
+        raise ConfigError(f"config file {path}: unknown suffix {path.suffix!r} (use .yaml, .toml or .json)")
     try:
-        if path.suffix == ".toml":
-            data = tomllib.loads(text)
-        elif path.suffix == ".json":
-            data = json.loads(text)
-        elif path.suffix in (".yaml", ".yml"):
-            data = yaml.safe_load(text)
-        else:
-            raise ConfigError(
-                f"config file {path}: unknown suffix {path.suffix!r} (use .yaml, .toml or .json)"
-            )
+        data = parse(text)
     except (tomllib.TOMLDecodeError, json.JSONDecodeError, yaml.YAMLError) as exc:
         raise ConfigError(f"config file {path} is not valid {path.suffix[1:]}: {exc}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping at the top level")
-    plugins = data.get("plugins")
-    if isinstance(plugins, list):  # file paths are relative to the config file, like includes
+    # File paths are relative to the config file, like includes...
+    if isinstance(plugins := data.get("plugins"), list):
         data["plugins"] = [_relative_to(path.parent, p) for p in plugins]
-    for section in _slots(data):  # and so are `path/to/file.py:Class` names in a slot
-        name = section.get("name")
-        if isinstance(name, str) and ".py:" in name:
+    for section in _slots(data):  # ...and so are `path/to/file.py:Class` names in a slot
+        if isinstance(name := section.get("name"), str) and ".py:" in name:
             file, _, cls = name.rpartition(":")
             section["name"] = f"{_relative_to(path.parent, file)}:{cls}"
     return data
@@ -229,9 +218,8 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
 def _slots(data: dict[str, Any]) -> list[dict[str, Any]]:
     """The plugin sections of a config: the four policy slots, a whole scheduler, backend, router."""
     places = [(data, "backend"), (data, "router")]
-    sched = data.get("scheduler")
-    if isinstance(sched, dict):
-        places += [(sched, slot) for slot in ("queue", "budget", "prefill", "preemption")]
+    if isinstance(sched := data.get("scheduler"), dict):
+        places += [(sched, slot) for slot in SLOTS]
     for parent, key in places:
         if isinstance(parent.get(key), str):  # the `queue: fcfs` shorthand
             parent[key] = {"name": parent[key]}
@@ -240,13 +228,8 @@ def _slots(data: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _relative_to(base: Path, ref: Any) -> Any:
-    if (
-        isinstance(ref, str)
-        and (ref.endswith(".py") or "/" in ref)
-        and not Path(ref).expanduser().is_absolute()
-    ):
-        return str(base / ref)
-    return ref
+    is_path = isinstance(ref, str) and (ref.endswith(".py") or "/" in ref)
+    return str(base / ref) if is_path and not Path(ref).expanduser().is_absolute() else ref
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -275,10 +258,7 @@ class ConfigError(ValueError):
 
 def format_validation_error(exc: ValidationError) -> str:
     """One line per problem: ``key.path: message``; an unknown key gets the closest known one suggested."""
-    model = exc.title and _MODELS.get(exc.title)
-    return "; ".join(validation_problems(exc, model or None))
+    return "; ".join(validation_problems(exc, _MODELS.get(exc.title)))
 
 
-_MODELS: dict[str, type[BaseModel]] = {
-    m.__name__: m for m in (EngineConfig, SchedulerConfig, KVCacheConfig, ModelConfig)
-}
+_MODELS = {m.__name__: m for m in (EngineConfig, SchedulerConfig, KVCacheConfig, ModelConfig)}

@@ -96,7 +96,7 @@ class Engine(EngineCore):
             ModelExecutor(self.runner),
             scheduler,
             vocab_size=text_cfg.vocab_size,
-            max_model_len=config.model.max_model_len or getattr(text_cfg, "max_position_embeddings", None),
+            max_model_len=wanted or positions,
             names=names,
             eos_token_ids=_eos_ids(model),
             tokenizer=tokenizer,
@@ -117,18 +117,14 @@ def _eos_ids(model: PreTrainedModel) -> frozenset[int]:
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     if eos is None:
         eos = getattr(model.config, "eos_token_id", None)
-    if eos is None:
-        return frozenset()
-    return frozenset([eos] if isinstance(eos, int) else eos)
+    return frozenset([eos] if isinstance(eos, int) else eos or ())
 
 
 def _check_model_matches(model: PreTrainedModel, config: EngineConfig) -> None:
     """An in-memory model is used as it is; an explicit ``model`` section that disagrees is an error."""
-    param = next(model.parameters())
-    explicit = config.model.model_fields_set
-    if "dtype" in explicit and config.model.dtype != "auto":
-        want = getattr(torch, config.model.dtype)
-        if param.dtype != want:
-            raise ValueError(f"model.dtype is {config.model.dtype} but the model given is {param.dtype}")
-    if "device" in explicit and torch.device(config.model.device).type != param.device.type:
-        raise ValueError(f"model.device is {config.model.device} but the model given is on {param.device}")
+    param, want = next(model.parameters()), config.model
+    explicit = want.model_fields_set
+    if "dtype" in explicit and want.dtype != "auto" and param.dtype != getattr(torch, want.dtype):
+        raise ValueError(f"model.dtype is {want.dtype} but the model given is {param.dtype}")
+    if "device" in explicit and torch.device(want.device).type != param.device.type:
+        raise ValueError(f"model.device is {want.device} but the model given is on {param.device}")

@@ -87,14 +87,9 @@ class EngineCore:
         clock: Callable[[], float] = time.perf_counter,
         deltas: bool = True,
     ) -> None:
-        self.config = config
-        self.executor = executor
-        self.scheduler = scheduler
-        self.vocab_size = vocab_size
-        self.max_model_len = max_model_len
+        self.config, self.executor, self.scheduler, self.tokenizer = config, executor, scheduler, tokenizer
+        self.vocab_size, self.max_model_len, self.clock = vocab_size, max_model_len, clock
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.tokenizer = tokenizer
-        self.clock = clock
         # False: step() reports only requests that ended (a caller that never streams saves a copy
         # of every running request's tokens per step).
         self.deltas = deltas
@@ -147,13 +142,9 @@ class EngineCore:
             raise RequestError(f"request {request_id!r}: cache_salt must be a string, got {type(cache_salt).__name__}")
         token_ids = encode_prompt(prompt, request_id, self.tokenizer)
         check_request(token_ids, request_id, params, self.vocab_size, self.max_model_len, self.kv_capacity_tokens)
+        arrival = self.clock() if arrival_time is None else float(arrival_time)
         seq = Sequence(
-            request_id=request_id,
-            prompt_token_ids=token_ids,
-            params=params,
-            arrival_time=self.clock() if arrival_time is None else float(arrival_time),
-            cache_salt=cache_salt,
-            **dict(fields),
+            request_id, token_ids, params, arrival_time=arrival, cache_salt=cache_salt, **dict(fields)
         )
         self.steps.call(self.scheduler.add, seq)  # the composed scheduler registers all or nothing
         self._live[request_id] = seq
@@ -169,8 +160,7 @@ class EngineCore:
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request wherever it is; its KV blocks are freed at once."""
-        seq = self.steps.call(self.scheduler.abort, request_id)
-        if seq is not None:
+        if (seq := self.steps.call(self.scheduler.abort, request_id)) is not None:
             self._live.pop(request_id, None)
             log.info("request aborted", request_id=request_id, generated=seq.num_output_tokens)
         return seq is not None
@@ -239,8 +229,7 @@ class EngineCore:
                 new_token, failed = tx.commit(self.executor.sample(prepared, forwarded, tx.rng), self._check_finish)
                 outputs = self._outputs(new_token, failed)
         except BaseException as exc:
-            named = tx.undo(exc)
-            if named is exc:
+            if (named := tx.undo(exc)) is exc:
                 raise
             raise named from exc
         for seq in out.failed:
@@ -355,10 +344,8 @@ class EngineCore:
                     except Exception as exc:  # the first error is the one to report
                         log.error("abort failed", request_id=request_id, error=str(exc))
             raise
-        for request_id, seq in seqs.items():  # aborted while the loop ran: no step reported them
-            if request_id not in done:
-                done[request_id] = RequestOutput.of(seq, [], self._text(seq))
-        return [done[request_id] for request_id in ids]
+        # A request aborted while the loop ran ended without a step reporting it.
+        return [done[i] if i in done else RequestOutput.of(seqs[i], [], self._text(seqs[i])) for i in ids]
 
 
 def _expand(value: Any, n: int, what: str, single: Any, default: Any) -> list[Any]:

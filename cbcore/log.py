@@ -22,8 +22,7 @@ def _render(logger: Any, method: str, event: dict[str, Any]) -> str:
     if json_output:
         event.setdefault("level", method)
         return json.dumps(event, default=str)
-    message = event.pop("event", "")
-    return " ".join([str(message), *(f"{k}={v}" for k, v in event.items())])
+    return " ".join([str(event.pop("event", "")), *(f"{k}={v}" for k, v in event.items())])
 
 
 def get_logger(name: str) -> Any:

@@ -92,14 +92,10 @@ class Registry:
         self._entries: dict[tuple[str, str], Registered] = {}
         #: Entry points that failed to load or register: (name, why). Reported by `cb plugins`.
         self.broken: list[tuple[str, str]] = []
-        points = sorted(importlib.metadata.entry_points(group=PROJECT), key=lambda ep: _dist(ep) != PROJECT)
-        for ep in points:
-            dist = _dist(ep)
-            origin = "built-in" if dist == PROJECT else f"entry point {dist}"
+        for ep in sorted(importlib.metadata.entry_points(group=PROJECT), key=lambda ep: _dist(ep) != PROJECT):
+            origin = "built-in" if (dist := _dist(ep)) == PROJECT else f"entry point {dist}"
             try:
-                module = ep.load()
-                self._add_plugin(module, origin)
-                self._collect(module)
+                self._add_module(ep.load(), origin)
             except Exception as exc:  # a broken third-party package names itself and is skipped
                 why = f"{type(exc).__name__}: {exc}"
                 self.broken.append((f"{ep.name} ({ep.value}, {origin})", why))
@@ -107,16 +103,13 @@ class Registry:
         if not any(e.origin == "built-in" for e in self._entries.values()) and not self.broken:
             raise PluginError("cbcore's built-in plugins are not registered: reinstall cbcore (pip install -e .)")
         for ref in extra_plugins:
-            module = load_module(ref)
-            self._add_plugin(module, f"path {ref}")
-            self._collect(module)
+            self._add_module(load_module(ref), f"path {ref}")
 
-    def _add_plugin(self, module: ModuleType, origin: str) -> None:
+    def _add_module(self, module: ModuleType, origin: str) -> None:
+        """Register ``module``'s hooks (once) and the classes they return, under its first origin."""
         if not self.pm.is_registered(module):
             self.pm.register(module, name=f"{origin}:{module.__name__}")
             self._origins[id(module)] = origin
-
-    def _collect(self, module: ModuleType) -> None:
         for hook in (self.pm.hook.cbcore_register_policies, self.pm.hook.cbcore_register_backends):
             for impl in hook.get_hookimpls():
                 if impl.plugin is module:
@@ -125,14 +118,12 @@ class Registry:
 
     def _add_class(self, cls: type, origin: str) -> None:
         kind, name = _identity(cls, origin)
-        key = (kind, name)
-        if key in self._entries and not _same_class(self._entries[key].cls, cls):
-            first = self._entries[key]
+        first = self._entries.setdefault((kind, name), Registered(cls, kind, name, origin))
+        if not _same_class(first.cls, cls):
             raise PluginError(
                 f"two plugins claim {kind} {name!r}: {first.cls.__module__}.{first.cls.__qualname__} "
                 f"({first.origin}) and {cls.__module__}.{cls.__qualname__} ({origin})"
             )
-        self._entries.setdefault(key, Registered(cls, kind, name, origin))
 
     # -- lookup --------------------------------------------------------------
 
@@ -149,11 +140,9 @@ class Registry:
             if found_kind != kind:
                 raise PluginError(f"{name} is a {found_kind} plugin, not a {kind} plugin")
             return Registered(cls, kind, getattr(cls, "name", name), f"path {name}")
-        entry = self._entries.get((kind, name))
-        if entry is not None:
-            return entry
-        others = [e for e in self._entries.values() if e.name == name]
-        if others:
+        if (kind, name) in self._entries:
+            return self._entries[kind, name]
+        if others := [e for e in self._entries.values() if e.name == name]:
             raise PluginError(f"{name!r} is a {others[0].kind} plugin, not a {kind} plugin")
         hint = did_you_mean(name, self.names(kind))
         raise PluginError(f"unknown {kind} plugin {name!r}{hint}; known: {', '.join(self.names(kind)) or 'none'}")
@@ -201,16 +190,14 @@ def _identity(cls: type, origin: str) -> tuple[str, str]:
             f"{cls!r} from {origin} is not a cbcore plugin: it needs a `name` and a `kind` in {KINDS}"
         )
     base = BASES[kind]
+    where = f"{cls.__module__}.{cls.__qualname__} ({origin})"
     if base not in {f"{c.__module__}.{c.__qualname__}" for c in cls.__mro__}:
         raise PluginError(
-            f"{cls.__module__}.{cls.__qualname__} ({origin}) declares kind {kind!r} "
-            f"but does not subclass cbcore.{base.rpartition('.')[2]}"
+            f"{where} declares kind {kind!r} but does not subclass cbcore.{base.rpartition('.')[2]}"
         )
     params = getattr(cls, "Params", None)
     if not (isinstance(params, type) and issubclass(params, BaseModel)):
-        raise PluginError(
-            f"{cls.__module__}.{cls.__qualname__} ({origin}): `Params` must be a pydantic BaseModel class"
-        )
+        raise PluginError(f"{where}: `Params` must be a pydantic BaseModel class")
     return kind, name
 
 
@@ -226,8 +213,7 @@ def load_module(ref: str) -> ModuleType:
         spec = importlib.util.spec_from_file_location(mod_name, path)
         if spec is None or spec.loader is None:
             raise PluginError(f"cannot import plugin file {ref}")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[mod_name] = module
+        module = sys.modules[mod_name] = importlib.util.module_from_spec(spec)
         try:
             spec.loader.exec_module(module)
         except Exception as exc:
@@ -263,9 +249,7 @@ def get_registry(extra_plugins: tuple[str, ...] = ()) -> Registry:
 
 def did_you_mean(name: object, known: Iterable[str]) -> str:
     """`` (did you mean 'priority'?)`` when a known name is close to ``name``, else ``""``."""
-    if not isinstance(name, str):
-        return ""
-    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6) if isinstance(name, str) else []
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 

@@ -50,18 +50,12 @@ class AttentionContext:
 
 
 def cbcore_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,  # [1, H, T, D]
-    key: torch.Tensor,  # [1, Hkv, T, D]
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    cb_batch: FlatBatch | None = None,
-    cb_attn: AttentionContext | None = None,
-    sliding_window: int | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+    cb_batch: FlatBatch | None = None, cb_attn: AttentionContext | None = None,
+    sliding_window: int | None = None, **kwargs: Any,
+) -> tuple[torch.Tensor, None]:  # fmt: skip
+    """transformers' attention call: ``query`` ``[1, H, T, D]``, ``key``/``value`` ``[1, Hkv, T, D]``."""
     if cb_batch is None or cb_attn is None:
         raise RuntimeError(
             "attention implementation 'cbcore' was called outside a cbcore engine step "
@@ -74,25 +68,18 @@ def cbcore_attention(
             )
     if query.shape[0] != 1:
         raise ValueError(f"cbcore packs every step into one row; got a batch of {query.shape[0]}")
-    q = query[0].transpose(0, 1)  # [T, H, D]
-    k = key[0].transpose(0, 1)
-    v = value[0].transpose(0, 1)
+    q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, heads, D]
     scaling = q.shape[-1] ** -0.5 if scaling is None else scaling
     return cb_attn.attend(cb_batch, q, k, v, module.layer_idx, sliding_window, scaling).unsqueeze(0), None
 
 
-def _no_mask(*args: Any, **kwargs: Any) -> None:
-    return None
-
-
 AttentionInterface.register(IMPLEMENTATION, cbcore_attention)
-AttentionMaskInterface.register(IMPLEMENTATION, _no_mask)
+AttentionMaskInterface.register(IMPLEMENTATION, lambda *args, **kwargs: None)  # the backend owns masking
 
 
 def check_model_supported(model: PreTrainedModel) -> None:
     """Fail early, with the reason, for models cbcore cannot drive."""
-    can = getattr(model, "_can_set_attn_implementation", None)
-    if can is None or not can():
+    if (can := getattr(model, "_can_set_attn_implementation", None)) is None or not can():
         raise ValueError(
             f"{type(model).__name__} does not route attention through transformers' AttentionInterface, "
             "so cbcore cannot attach its paged attention to it"

@@ -40,11 +40,9 @@ class Backend:
 
     def check(self, device: torch.device, block_size: int, dtype: torch.dtype) -> None:
         """Raise :class:`BackendUnavailable` if this backend cannot serve that setup."""
-        reason = self.unavailable_reason(device)
-        if reason is not None:
+        if (reason := self.unavailable_reason(device)) is not None:
             raise BackendUnavailable(f"backend {self.name!r} is unavailable on {device}: {reason}")
-        multiple = self.block_size_multiple
-        if multiple is not None and block_size % multiple:
+        if (multiple := self.block_size_multiple) is not None and block_size % multiple:
             raise BackendUnavailable(
                 f"backend {self.name!r} needs kv_cache.block_size to be a multiple of {multiple}, got {block_size}"
             )
@@ -59,14 +57,9 @@ class Backend:
         return None
 
     def forward(
-        self,
-        query: torch.Tensor,  # [T, num_heads, head_dim]
-        key: torch.Tensor,  # [T, num_kv_heads, head_dim] (already in the cache)
-        value: torch.Tensor,  # [T, num_kv_heads, head_dim]
-        layer_idx: int,
-        batch: FlatBatch,
-        kv_cache: KVCache,
-        scaling: float,
-        sliding_window: int | None,
-    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, batch: FlatBatch,
+        kv_cache: KVCache, scaling: float, sliding_window: int | None,
+    ) -> torch.Tensor:  # fmt: skip
+        """``query`` ``[T, num_heads, head_dim]``, ``key``/``value`` ``[T, num_kv_heads, head_dim]``
+        (already in the cache); returns ``[T, num_heads, head_dim]``."""
         raise NotImplementedError

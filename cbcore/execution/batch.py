@@ -50,14 +50,12 @@ class FlatBatch:
     @cached_property
     def token_seq_index(self) -> torch.Tensor:
         """[T]: which sequence each query token belongs to."""
-        q = torch.tensor(self.query_lens, device=self.device)
-        return torch.repeat_interleave(torch.arange(self.num_seqs, device=self.device), q)
+        return torch.repeat_interleave(torch.tensor(self.query_lens, device=self.device))
 
     @cached_property
     def kv_seq_index(self) -> torch.Tensor:
         """[K]: which sequence each gathered key belongs to (K = sum of context_lens)."""
-        k = torch.tensor(self.context_lens, device=self.device)
-        return torch.repeat_interleave(torch.arange(self.num_seqs, device=self.device), k)
+        return torch.repeat_interleave(torch.tensor(self.context_lens, device=self.device))
 
     @cached_property
     def kv_positions(self) -> torch.Tensor:
@@ -74,10 +72,7 @@ class FlatBatch:
 
 
 def build_flat_batch(
-    chunks: list[tuple[list[int], int, list[int]]],
-    sample: list[bool],
-    block_size: int,
-    device: torch.device,
+    chunks: list[tuple[list[int], int, list[int]]], sample: list[bool], block_size: int, device: torch.device
 ) -> FlatBatch:
     """Pack ``(token_ids, start_position, block_table)`` per sequence into one row.
 
@@ -102,9 +97,8 @@ def build_flat_batch(
     seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), q_lens.long())
     offsets = torch.arange(len(flat_ids)) - cu_q.long()[seq_of_token]
     positions = torch.tensor(starts, dtype=torch.long)[seq_of_token] + offsets
-    slot_mapping = (
-        block_tables.long()[seq_of_token, positions // block_size] * block_size + positions % block_size
-    )
+    blocks = block_tables.long()[seq_of_token, positions // block_size]
+    slot_mapping = blocks * block_size + positions % block_size
     sample_rows = [i for i, s in enumerate(sample) if s]
     logits_indices = cu_q.long()[1:][sample_rows] - 1 if sample_rows else torch.zeros(0, dtype=torch.long)
 

@@ -9,36 +9,31 @@ mapping; nothing is ever re-concatenated. Backends that want the blocked view
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
+@dataclass(eq=False)
 class KVCache:
-    def __init__(
-        self,
-        num_layers: int,
-        num_blocks: int,
-        block_size: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-        num_host_blocks: int = 0,
-    ) -> None:
-        self.num_layers = num_layers
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.dtype = dtype
-        self.device = torch.device(device)
-        slots = num_blocks * block_size
-        shape = (num_layers, slots, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.v = torch.zeros(shape, dtype=dtype, device=self.device)
-        host_shape = (num_layers, num_host_blocks * block_size, num_kv_heads, head_dim)
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device | str
+    num_host_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        self.device = torch.device(self.device)
+        shape = (self.num_layers, self.num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
+        self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        host_shape = (self.num_layers, self.num_host_blocks * self.block_size, *shape[2:])
         pin = self.device.type == "cuda"
-        self.host_k = torch.zeros(host_shape, dtype=dtype, pin_memory=pin)
-        self.host_v = torch.zeros(host_shape, dtype=dtype, pin_memory=pin)
+        self.host_k = torch.zeros(host_shape, dtype=self.dtype, pin_memory=pin)
+        self.host_v = torch.zeros(host_shape, dtype=self.dtype, pin_memory=pin)
 
     @property
     def nbytes(self) -> int:

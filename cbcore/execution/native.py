@@ -9,7 +9,7 @@ changed CPU or source builds anew. It is linked against the OpenMP runtime
 torch has already loaded, so its threads are torch's threads. ctypes rather
 than a torch extension: no torch headers, no pybind, a build of a fraction of
 a second instead of a minute. Where no compiler is found or the build fails,
-:func:`load_kernel` says why, and the caller decides what to run instead.
+:meth:`NativeKernel.load` says why, and the caller decides what to run instead.
 """
 
 from __future__ import annotations
@@ -84,39 +84,9 @@ def _build(source: Path, compiler: str, target: Path) -> None:
         Path(tmp).unlink(missing_ok=True)
 
 
-def load_kernel(source: Path, symbol: str, argtypes: list) -> tuple[ctypes._CFuncPtr | None, str]:
-    """The C function ``symbol`` of ``source`` and where it came from, or ``(None, why not)``.
-
-    Callers cache the result per process (a build is a subprocess; a load is a dlopen).
-    """
-    if not source.exists():
-        return None, f"{source} is missing from the installation"
-    compiler = _compiler()
-    if compiler is None:
-        wanted = os.environ.get("CC") or "cc"
-        return None, f"no C compiler found ({wanted!r} is not on PATH; install gcc or set $CC)"
-    target = _library_path(source, compiler)
-    origin = f"cached {target}"
-    try:
-        if not target.exists():
-            try:
-                _build(source, compiler, target)
-            except OSError as exc:  # an unwritable cache: build where this process may write
-                log.warning("kernel cache not writable; building in a temporary directory", error=str(exc))
-                target = Path(tempfile.mkdtemp(prefix="cbcore-kernels-")) / target.name
-                _build(source, compiler, target)
-            origin = f"built {target}"
-        fn = getattr(ctypes.CDLL(str(target)), symbol)
-    except (KernelUnavailable, OSError, subprocess.SubprocessError, AttributeError) as exc:
-        return None, str(exc)
-    fn.argtypes = argtypes
-    fn.restype = ctypes.c_int
-    log.debug("native kernel", symbol=symbol, origin=origin)
-    return fn, origin
-
-
 class NativeKernel:
-    """One C function of one kernel file, built or loaded once per process on first use."""
+    """One C function of one kernel file, built or loaded once per process on first use (a build is a
+    subprocess, a load a dlopen)."""
 
     def __init__(self, source: Path, symbol: str, argtypes: list) -> None:
         self.source, self.symbol, self.argtypes = source, symbol, argtypes
@@ -125,8 +95,33 @@ class NativeKernel:
     def load(self) -> tuple[ctypes._CFuncPtr | None, str]:
         """The function and where it came from (``built ...`` / ``cached ...``), or ``(None, why not)``."""
         if self._loaded is None:
-            self._loaded = load_kernel(self.source, self.symbol, self.argtypes)
+            self._loaded = self._load()
         return self._loaded
+
+    def _load(self) -> tuple[ctypes._CFuncPtr | None, str]:
+        source = self.source
+        if not source.exists():
+            return None, f"{source} is missing from the installation"
+        compiler = _compiler()
+        if compiler is None:
+            return None, f"no C compiler found ({os.environ.get('CC') or 'cc'!r} is not on PATH; install gcc or set $CC)"
+        target = _library_path(source, compiler)
+        origin = f"cached {target}"
+        try:
+            if not target.exists():
+                try:
+                    _build(source, compiler, target)
+                except OSError as exc:  # an unwritable cache: build where this process may write
+                    log.warning("kernel cache not writable; building in a temporary directory", error=str(exc))
+                    target = Path(tempfile.mkdtemp(prefix="cbcore-kernels-")) / target.name
+                    _build(source, compiler, target)
+                origin = f"built {target}"
+            fn = getattr(ctypes.CDLL(str(target)), self.symbol)
+        except (KernelUnavailable, OSError, subprocess.SubprocessError, AttributeError) as exc:
+            return None, str(exc)
+        fn.argtypes, fn.restype = self.argtypes, ctypes.c_int
+        log.debug("native kernel", symbol=self.symbol, origin=origin)
+        return fn, origin
 
     def function(self) -> ctypes._CFuncPtr:
         fn, text = self.load()

@@ -49,9 +49,8 @@ class PagedRows:
     block_size: int
 
     def __post_init__(self) -> None:
-        _check("tables", self.tables, torch.int32)
-        _check("starts", self.starts, torch.int64)
-        _check("counts", self.counts, torch.int64)
+        for name, dtype in (("tables", torch.int32), ("starts", torch.int64), ("counts", torch.int64)):
+            _check(name, getattr(self, name), dtype)
         rows = self.tables.shape[0]
         if self.tables.dim() != 2 or self.starts.shape != (rows,) or self.counts.shape != (rows,):
             raise ValueError(f"paged_decode: tables/starts/counts must have {rows} rows")
@@ -60,13 +59,12 @@ class PagedRows:
 
 
 def paged_decode(
-    query: torch.Tensor,  # [rows, heads, head_dim] float32
-    k_pool: torch.Tensor,  # [slots, kv_heads, head_dim]
-    v_pool: torch.Tensor,
-    keys: PagedRows,
-    scale: float,
+    query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, keys: PagedRows, scale: float
 ) -> torch.Tensor:
-    """Each row's single query attends to positions ``[start, start + count)`` of its own blocks."""
+    """Each row's single query attends to positions ``[start, start + count)`` of its own blocks.
+
+    ``query`` is ``[rows, heads, head_dim]`` float32, each pool ``[slots, kv_heads, head_dim]``.
+    """
     fn = KERNEL.function()
     rows, heads, head_dim = query.shape
     kv_heads = k_pool.shape[1]

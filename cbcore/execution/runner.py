@@ -54,24 +54,17 @@ def plan_num_blocks(cfg: KVCacheConfig, geometry: KVGeometry, dtype: torch.dtype
 
 class ModelRunner:
     def __init__(
-        self,
-        model: PreTrainedModel,
-        backend: Backend,
-        block_size: int,
-        num_blocks: int,
-        num_host_blocks: int = 0,
-        linear: LinearKind = "auto",
-        forward: ForwardKind = "auto",
-    ) -> None:
+        self, model: PreTrainedModel, backend: Backend, block_size: int, num_blocks: int,
+        num_host_blocks: int = 0, linear: LinearKind = "auto", forward: ForwardKind = "auto",
+    ) -> None:  # fmt: skip
         check_model_supported(model)
         self.model = model.eval()
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.backend = backend
         backend.check(self.device, block_size, self.dtype)
-        self.geometry = KVGeometry.of(model)
+        g = self.geometry = KVGeometry.of(model)
         self.block_size = block_size
-        g = self.geometry
         self.kv_cache = KVCache(
             g.num_layers, num_blocks, block_size, g.num_kv_heads, g.head_dim, self.dtype, self.device, num_host_blocks
         )
@@ -85,25 +78,15 @@ class ModelRunner:
         self.fused = FusedDecoder(model, self.linear == "onednn") if why_hf is None else None
         self.model_forward: Literal["fused", "hf"] = "hf" if self.fused is None else "fused"
         log.info(
-            "model forward",
-            forward=self.model_forward,
-            why_hf=why_hf if forward == "auto" else None,
-            linear=self.linear,
-            why_standard=why_standard,
-            warmed_products=getattr(self.fused, "warmed", 0),
+            "model forward", forward=self.model_forward, why_hf=why_hf if forward == "auto" else None,
+            linear=self.linear, why_standard=why_standard, warmed_products=getattr(self.fused, "warmed", 0),
             warm_s=round(getattr(self.fused, "warm_s", 0.0), 2),
-            freed_memory="held" if why_freed is None else "returned",
-            why_returned=why_freed,
-        )
+            freed_memory="held" if why_freed is None else "returned", why_returned=why_freed,
+        )  # fmt: skip
         log.info(
-            "kv cache ready",
-            backend=backend.name,
-            variant=backend.variant,
-            num_blocks=num_blocks,
-            block_size=self.block_size,
-            host_blocks=num_host_blocks,
-            mib=round(self.kv_cache.nbytes / 2**20, 1),
-        )
+            "kv cache ready", backend=backend.name, variant=backend.variant, num_blocks=num_blocks,
+            block_size=block_size, host_blocks=num_host_blocks, mib=round(self.kv_cache.nbytes / 2**20, 1),
+        )  # fmt: skip
 
     def prepare(self, plan: StepPlan) -> FlatBatch:
         chunks = [(row.token_ids, row.start, row.block_table) for row in plan.rows]
@@ -116,15 +99,10 @@ class ModelRunner:
         if self.fused is not None:
             return self.fused(batch, functools.partial(self._attn.attend, batch))
         with routed_to_cbcore(self.model):
-            out = self.model(
-                input_ids=batch.input_ids.unsqueeze(0),
-                position_ids=batch.positions.unsqueeze(0),
-                use_cache=False,
-                cb_batch=batch,
-                cb_attn=self._attn,
-                logits_to_keep=batch.logits_indices,
-            )
-        return out.logits[0]
+            return self.model(
+                input_ids=batch.input_ids.unsqueeze(0), position_ids=batch.positions.unsqueeze(0),
+                use_cache=False, cb_batch=batch, cb_attn=self._attn, logits_to_keep=batch.logits_indices,
+            ).logits[0]  # fmt: skip
 
     def swap(self, plan: StepPlan) -> None:
         """Apply the step's swap copies before anything overwrites the freed blocks."""

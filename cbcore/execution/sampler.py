@@ -18,18 +18,15 @@ def sample(logits: torch.Tensor, rows: list[RowPlan]) -> tuple[list[int], list[d
     logits = logits.float()
     tokens = logits.argmax(dim=-1).tolist()
     top: list[dict[int, float] | None] = [None] * len(rows)
-    want_logprobs = any(r.params.logprobs is not None for r in rows)
-    logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+    logprobs = torch.log_softmax(logits, dim=-1) if any(r.params.logprobs is not None for r in rows) else None
     for i, row in enumerate(rows):
         params = row.params
         if not params.greedy:
             tokens[i] = _sample_row(logits[i], params.temperature, params.top_k, params.top_p, row.generator)
         if logprobs is not None and params.logprobs is not None:
-            row = logprobs[i]
-            values, ids = row.topk(params.logprobs) if params.logprobs else (row[:0], row[:0].long())
-            entry = dict(zip(ids.tolist(), values.tolist(), strict=True))
-            entry[tokens[i]] = float(row[tokens[i]])
-            top[i] = entry
+            lp = logprobs[i]
+            values, ids = lp.topk(params.logprobs) if params.logprobs else (lp[:0], lp[:0].long())
+            top[i] = dict(zip(ids.tolist(), values.tolist(), strict=True)) | {tokens[i]: float(lp[tokens[i]])}
     return tokens, top
 
 
@@ -42,9 +39,9 @@ def _sample_row(
         row = row.masked_fill(row < kth, float("-inf"))
     if top_p < 1.0:
         sorted_logits, order = torch.sort(row, descending=True)
-        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
         # Drop a token when the mass before it already reaches top_p (keeps at least one).
-        drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= top_p
+        drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
         row = row.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     probs = torch.softmax(row, dim=-1)
     if generator is not None and probs.device.type != "cpu":
@@ -68,15 +65,10 @@ def sample_each(
     except Exception:
         for generator, state in rng_states:
             generator.set_state(state)
-    tokens, top, errors = [], [], []
+    tokens, top, errors = [-1] * len(rows), [None] * len(rows), [None] * len(rows)
     for i, row in enumerate(rows):
         try:
-            (token,), (entry,) = sample(logits[i : i + 1], [row])
+            (tokens[i],), (top[i],) = sample(logits[i : i + 1], [row])
         except Exception as exc:
-            token, entry = -1, None
-            errors.append(f"sampling failed: {type(exc).__name__}: {exc}")
-        else:
-            errors.append(None)
-        tokens.append(token)
-        top.append(entry)
+            errors[i] = f"sampling failed: {type(exc).__name__}: {exc}"
     return tokens, top, errors

@@ -36,9 +36,7 @@ class BlockManager:
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.num_host_blocks = num_host_blocks
+        self.num_blocks, self.block_size, self.num_host_blocks = num_blocks, block_size, num_host_blocks
         self.prefix_caching = prefix_caching
         # Unregistered free blocks, a stack: the most recently freed is reused first (warm in cache).
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
@@ -51,8 +49,7 @@ class BlockManager:
         self._free_host: list[int] = list(range(num_host_blocks - 1, -1, -1))
         self._host_tables: dict[str, list[int]] = {}
         # Tokens looked up at admissions and tokens found (what EngineLoad and /metrics report).
-        self.prefix_cache_queries_tokens = 0
-        self.prefix_cache_hits_tokens = 0
+        self.prefix_cache_queries_tokens = self.prefix_cache_hits_tokens = 0
 
     # -- queries -------------------------------------------------------------
 
@@ -111,10 +108,8 @@ class BlockManager:
     def grow(self, seq: Sequence, num_new_tokens: int) -> None:
         """Append blocks so that ``num_new_tokens`` more tokens of ``seq`` fit."""
         if not self.try_grow(seq, num_new_tokens):
-            needed = self.blocks_needed(seq, num_new_tokens)
-            raise MemoryError(
-                f"request {seq.request_id!r} needs {needed} KV blocks, {self.num_free_blocks} are free"
-            )
+            needed, free = self.blocks_needed(seq, num_new_tokens), self.num_free_blocks
+            raise MemoryError(f"request {seq.request_id!r} needs {needed} KV blocks, {free} are free")
 
     def try_grow(self, seq: Sequence, num_new_tokens: int) -> bool:
         """:meth:`grow` if the blocks are free, else nothing; one check instead of two on the hot path."""
@@ -237,9 +232,7 @@ class BlockManager:
         done = self._registered.get(seq, 0)
         if full <= done:
             return
-        hashes = self._hashes(seq, full)
-        for i in range(done, full):
-            block, h = seq.block_table[i], hashes[i]
+        for block, h in zip(seq.block_table[done:full], self._hashes(seq, full)[done:full], strict=True):
             if self._hash_of[block] is None and h not in self._by_hash:
                 self._by_hash[h] = block
                 self._hash_of[block] = h
@@ -294,8 +287,8 @@ class BlockManager:
         recorded per block while the step runs. A cached block the failed step
         evicted stays forgotten: the cache loses an entry, never correctness.
         """
-        host_tables, queries, hits = point
-        ref = [0] * self.num_blocks
+        host_tables, self.prefix_cache_queries_tokens, self.prefix_cache_hits_tokens = point
+        ref = self._ref = [0] * self.num_blocks
         hashed = self._hash_of
         for seq in live:
             for block in seq.block_table:
@@ -303,7 +296,6 @@ class BlockManager:
             for block in seq.block_table[seq.num_computed_tokens // self.block_size :]:
                 if hashed[block] is not None:  # registered by the failed step, past what now counts as computed
                     self._unregister(block)
-        self._ref = ref
         evictable: OrderedDict[int, None] = OrderedDict((b, None) for b in self._evictable if not ref[b])
         for block in range(self.num_blocks):
             if not ref[block] and hashed[block] is not None and block not in evictable:
@@ -317,4 +309,3 @@ class BlockManager:
         self._host_tables = dict(host_tables)
         used = {h for table in host_tables.values() for h in table}
         self._free_host = [h for h in range(self.num_host_blocks - 1, -1, -1) if h not in used]
-        self.prefix_cache_queries_tokens, self.prefix_cache_hits_tokens = queries, hits

@@ -50,16 +50,13 @@ class PolicyScheduler:
         origins: Mapping[str, str] | None = None,
     ) -> None:
         self.policies = PolicySet(queue, budget, prefill, preemption, origins)
-        self.blocks = blocks
-        self.clock = clock
+        self.blocks, self.clock = blocks, clock
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
         self._by_id: dict[str, Sequence] = {}
         self._keys: dict[Sequence, Any] = {}  # stored queue keys, when the queue has fixed_keys
-        self.step_index = 0
-        self.num_preemptions = 0
-        self.num_swap_fallbacks = 0
+        self.step_index = self.num_preemptions = self.num_swap_fallbacks = 0
         self.num_partial_prefills = 0  # scheduled prefill chunks shorter than what was pending
 
     queue = property(lambda self: self.policies.queue)
@@ -122,18 +119,15 @@ class PolicyScheduler:
                 self.blocks.register_computed(item.seq)
         now = self.clock()
         self.policies.step_ended(results, now)
-        finished = [s.seq for s in output.scheduled if s.seq.is_finished]
-        if not finished:
-            return
-        done = set(finished)
-        self.running = [s for s in self.running if s not in done]
-        for seq in finished:
-            self.blocks.free(seq)
-            self.forget(seq, now)
+        if finished := [s.seq for s in output.scheduled if s.seq.is_finished]:
+            done = set(finished)
+            self.running = [s for s in self.running if s not in done]
+            for seq in finished:
+                self.blocks.free(seq)
+                self.forget(seq, now)
 
     def abort(self, request_id: str) -> Sequence | None:
-        seq = self._by_id.get(request_id)
-        if seq is None:
+        if (seq := self._by_id.get(request_id)) is None:
             return None
         self.remove(seq)
         now = self.clock()
@@ -165,12 +159,9 @@ class PolicyScheduler:
     def admitted(self, seq: Sequence, now: float) -> None:
         """``seq`` leaves the waiting queue to run; a queue that declared fixed keys is held to it."""
         if self.queue.fixed_keys and self.queue.key(seq, now) != self._keys[seq]:
-            self.policies.error(
-                self.queue,
-                "with fixed_keys, key() never changes after arrival",
-                f"{seq.request_id!r} arrived with key {self._keys[seq]!r}, now {self.queue.key(seq, now)!r}",
-                seq,
-            )
+            arrived, key = self._keys[seq], self.queue.key(seq, now)
+            detail = f"{seq.request_id!r} arrived with key {arrived!r}, now {key!r}"
+            self.policies.error(self.queue, "with fixed_keys, key() never changes after arrival", detail, seq)
         self.waiting.remove(seq)
         seq.status = SequenceStatus.RUNNING
         if seq.first_scheduled_time is None:

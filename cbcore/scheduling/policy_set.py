@@ -79,12 +79,8 @@ class PolicySet:
 
     def error(self, policy: Policy, rule: str, detail: str, seq: Any = None) -> NoReturn:
         culprit = self.name_of(policy)
-        raise SchedulerError(
-            f"{culprit} broke the rule '{rule}': {detail}",
-            plugin=culprit,
-            rule=rule,
-            request_id=getattr(seq, "request_id", None),
-        )
+        message = f"{culprit} broke the rule '{rule}': {detail}"
+        raise SchedulerError(message, plugin=culprit, rule=rule, request_id=getattr(seq, "request_id", None))
 
     # -- questions -----------------------------------------------------------
 
@@ -96,13 +92,8 @@ class PolicySet:
 
     def limits(self, state: SchedulerState) -> StepLimits:
         limits = self.budget.limits(state)
-        if not (
-            isinstance(limits, StepLimits)
-            and type(limits.max_num_seqs) is int
-            and type(limits.max_num_tokens) is int
-            and limits.max_num_seqs >= 1
-            and limits.max_num_tokens >= 1
-        ):
+        counts = (limits.max_num_seqs, limits.max_num_tokens) if isinstance(limits, StepLimits) else ()
+        if not counts or not all(type(n) is int and n >= 1 for n in counts):
             self.error(self.budget, "limits() returns StepLimits of two ints >= 1", f"got {limits!r}")
         return limits
 
@@ -115,22 +106,15 @@ class PolicySet:
         if type(n) is not int or n < 0:
             self.error(self.prefill, "num_tokens() returns an int >= 0", f"got {n!r}", seq)
         if n > tokens_left and not batch_empty:
-            self.error(
-                self.prefill,
-                "num_tokens() stays within tokens_left (only a prompt alone in a step may exceed it)",
-                f"{n} tokens for {seq.request_id!r} with {tokens_left} left",
-                seq,
-            )
+            rule = "num_tokens() stays within tokens_left (only a prompt alone in a step may exceed it)"
+            self.error(self.prefill, rule, f"{n} tokens for {seq.request_id!r} with {tokens_left} left", seq)
         return min(n, pending)
 
     def victim(self, candidates: list[Sequence], now: float) -> Sequence:
         victim = self.preemption.choose_victim(candidates, self.queue, now)
         if not any(victim is c for c in candidates):
-            self.error(
-                self.preemption,
-                "choose_victim() returns one of the candidates",
-                f"it chose {getattr(victim, 'request_id', victim)!r}, which is not among the candidates",
-            )
+            detail = f"it chose {getattr(victim, 'request_id', victim)!r}, which is not among the candidates"
+            self.error(self.preemption, "choose_victim() returns one of the candidates", detail)
         return victim  # type: ignore[return-value]
 
     # -- events --------------------------------------------------------------
@@ -170,10 +154,8 @@ class PolicySet:
 def _not_a_permutation(ordered: object, given: Seq[Sequence]) -> str:
     if not isinstance(ordered, list | tuple):
         return f"got {type(ordered).__name__}"
-    twice = [s for s in set(ordered) if ordered.count(s) > 1]
-    if twice:
+    if twice := [s for s in set(ordered) if ordered.count(s) > 1]:
         return f"{getattr(twice[0], 'request_id', twice[0])!r} appears {ordered.count(twice[0])} times"
-    extra = [s for s in ordered if s not in set(given)]
-    if extra:
+    if extra := [s for s in ordered if s not in set(given)]:
         return f"{getattr(extra[0], 'request_id', extra[0])!r} was not given"
     return f"{len(ordered)} sequences back for {len(given)} given"

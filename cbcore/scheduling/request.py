@@ -119,7 +119,6 @@ def field_problems(exc: ValidationError) -> str:
     return "; ".join(validation_problems(exc))
 
 
-
 def encode_prompt(prompt: Prompt, request_id: str, tokenizer: Any | None) -> list[int]:
     if isinstance(prompt, str):
         if tokenizer is None:
@@ -151,11 +150,9 @@ def check_request(
     where = f"request {request_id}"
     if not token_ids:
         raise RequestError(f"{where}: the prompt is empty")
-    bad = [t for t in token_ids if not 0 <= t < vocab_size]
-    if bad:
+    if bad := [t for t in token_ids if not 0 <= t < vocab_size]:
         raise RequestError(f"{where}: token id {bad[0]} is outside the vocabulary (size {vocab_size})")
-    stops = [t for t in params.stop_token_ids if t >= vocab_size]
-    if stops:
+    if stops := [t for t in params.stop_token_ids if t >= vocab_size]:
         raise RequestError(f"{where}: stop token id {stops[0]} is outside the vocabulary (size {vocab_size})")
     n = len(token_ids)
     if max_model_len is not None and n >= max_model_len:

@@ -83,8 +83,7 @@ class SchedulerPlugin:
     Params: ClassVar[type] = NoParams
 
     def __init__(self, params: object, blocks: BlockManager) -> None:
-        self.params = params
-        self.blocks = blocks
+        self.params, self.blocks = params, blocks
 
     def snapshot(self) -> Callable[[], None]:
         """Override to restore private queues after a failed step (sequences and blocks are the engine's)."""
@@ -101,9 +100,7 @@ class SchedulerError(RuntimeError):
 
     def __init__(self, message: str, *, plugin: str = "", rule: str = "", request_id: str | None = None) -> None:
         super().__init__(message)
-        self.plugin = plugin
-        self.rule = rule
-        self.request_id = request_id
+        self.plugin, self.rule, self.request_id = plugin, rule, request_id
 
 
 class SchedulerStall(SchedulerError):

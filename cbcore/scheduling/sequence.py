@@ -80,8 +80,7 @@ class Sequence:
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         if self.params.seed is not None:
-            self.generator = torch.Generator(device="cpu")
-            self.generator.manual_seed(self.params.seed)
+            self.generator = torch.Generator(device="cpu").manual_seed(self.params.seed)
 
     @property
     def deadline(self) -> float | None:
@@ -124,7 +123,5 @@ class Sequence:
         self.token_times.append(now)
 
     def finish(self, reason: FinishReason, now: float, error: str | None = None) -> None:
-        self.status = SequenceStatus.FINISHED
-        self.finish_reason = reason
-        self.finish_time = now
-        self.error = error
+        self.status, self.finish_reason = SequenceStatus.FINISHED, reason
+        self.finish_time, self.error = now, error

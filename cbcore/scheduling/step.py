@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from operator import attrgetter
-from types import TracebackType
+from traceback import walk_tb
 from typing import Any
 
 from cbcore.scheduling.plan import RowPlan, Sampled, StepPlan
@@ -62,10 +62,9 @@ class Steps:
         try:
             return fn(*args)
         except Exception as exc:
-            named = self.named(exc)
-            if named is exc:
+            if (err := self.named(exc)) is exc:
                 raise
-            raise named from exc
+            raise err from exc
 
     def named(self, exc: BaseException) -> BaseException:
         return named(exc, self.names, after="; the engine is as before the step")
@@ -81,17 +80,12 @@ class Steps:
             moved = out.preempted or out.swap_out or out.swap_in
             if not moved or self.idle > MAX_IDLE_STEPS:
                 what = "changed nothing" if not moved else f"computed nothing for {self.idle} steps"
-                raise SchedulerStall(
-                    f"{self.culprit} planned no tokens while work waits ({waiting()}) and {what}: it would spin forever",
-                    plugin=self.culprit,
-                    rule="a step computes tokens while work waits",
-                )
+                msg = f"planned no tokens while work waits ({waiting()}) and {what}: it would spin forever"
+                rule = "a step computes tokens while work waits"
+                raise SchedulerStall(f"{self.culprit} {msg}", plugin=self.culprit, rule=rule)
             return
         self.idle = 0
-        if sampled:
-            self.spent = 0
-            return
-        self.spent += computed
+        self.spent = 0 if sampled else self.spent + computed
         if self.spent > self.window:
             raise SchedulerStall(
                 f"{self.culprit} computed {self.spent} tokens without sampling one (more than {WINDOW_CAPACITIES}x "
@@ -176,18 +170,16 @@ class StepTransaction:
         for generator, state in self.rng:
             generator.set_state(state)
         self.restore_own()
-        live = []
         for seq, status, computed, preemptions, table, n in self.held:
             del table[n:]
             seq.status, seq.num_computed_tokens, seq.num_preemptions, seq.block_table = status, computed, preemptions, table
             seq.finish_reason = seq.finish_time = seq.error = None
-            live.append(seq)
         for seq in self.idle:
             seq.status, seq.num_computed_tokens, seq.block_table = SequenceStatus.WAITING, 0, []
             if seq.first_scheduled_time is not None and seq.first_scheduled_time >= self.since:
                 seq.first_scheduled_time = None  # first admitted by the step being undone
             seq.finish_reason = seq.finish_time = seq.error = None
-        self.scheduler.blocks.reset_to(live, self.blocks_point)
+        self.scheduler.blocks.reset_to([held[0] for held in self.held], self.blocks_point)
         return self.steps.named(exc)
 
 
@@ -199,21 +191,17 @@ def check_plan(out: SchedulerOutput, blocks: Any, culprit: str) -> tuple[StepPla
     """
     if not isinstance(out, SchedulerOutput):
         _fail(culprit, "schedule() returns a SchedulerOutput", f"got {type(out).__name__}")
-    block_size = blocks.block_size
-    scheduled = out.scheduled
-    rows = []
+    block_size, scheduled, running = blocks.block_size, out.scheduled, SequenceStatus.RUNNING
+    rows: list[RowPlan] = []
     append = rows.append
     total = sampled = 0
-    running = SequenceStatus.RUNNING
     try:
         for item in scheduled:
-            seq = item.seq
-            n = item.num_tokens
+            seq, n = item.seq, item.num_tokens
             start = seq.num_computed_tokens
             end = start + n
             tokens = seq.token_ids
-            ids = tokens[start:end]
-            table = seq.block_table
+            ids, table = tokens[start:end], seq.block_table
             # The slice is n long only if n tokens are pending; n > 0; a slot for each; running.
             if not (len(ids) == n > 0 <= start and end <= len(table) * block_size and seq.status is running):
                 _diagnose(item, block_size, culprit)
@@ -231,8 +219,7 @@ def check_plan(out: SchedulerOutput, blocks: Any, culprit: str) -> tuple[StepPla
         seen: set[Sequence] = set()
         twice = next(s.seq for s in scheduled if s.seq in seen or seen.add(s.seq))
         _fail(culprit, "each sequence is scheduled at most once", f"{twice.request_id!r} appears twice", twice)
-    limits = out.limits
-    if limits is not None:
+    if (limits := out.limits) is not None:
         if total > limits.max_num_tokens and len(scheduled) > 1:  # one prompt alone may exceed it
             _fail(culprit, "the step's tokens fit its budget", f"{total} tokens, budget {limits.max_num_tokens}")
         if len(scheduled) > limits.max_num_seqs:
@@ -263,22 +250,14 @@ def _diagnose(item: Any, block_size: int, culprit: str) -> None:
         _fail(culprit, "a scheduled sequence computes at least 1 token", f"{rid!r} got {n!r}", seq)
     if n > seq.num_pending_tokens:
         _fail(culprit, "tokens within the pending tokens", f"{rid!r}: {n} > {seq.num_pending_tokens} pending", seq)
-    _fail(
-        culprit,
-        "a KV slot is allocated for every token",
-        f"{rid!r} computes up to token {seq.num_computed_tokens + n} but its {len(seq.block_table)} blocks hold "
-        f"{len(seq.block_table) * block_size}",
-        seq,
-    )
+    held, end = len(seq.block_table), seq.num_computed_tokens + n
+    detail = f"{rid!r} computes up to token {end} but its {held} blocks hold {held * block_size}"
+    _fail(culprit, "a KV slot is allocated for every token", detail, seq)
 
 
 def _fail(culprit: str, rule: str, detail: str, seq: Sequence | None = None) -> None:
-    raise SchedulerError(
-        f"{culprit} broke the rule '{rule}': {detail}; nothing of this step was applied",
-        plugin=culprit,
-        rule=rule,
-        request_id=getattr(seq, "request_id", None),
-    )
+    message = f"{culprit} broke the rule '{rule}': {detail}; nothing of this step was applied"
+    raise SchedulerError(message, plugin=culprit, rule=rule, request_id=getattr(seq, "request_id", None))
 
 
 def named(exc: BaseException, names: Mapping[int, str], request_id: str | None = None, after: str = "") -> BaseException:
@@ -296,12 +275,8 @@ def named(exc: BaseException, names: Mapping[int, str], request_id: str | None =
     plugin, method, blamed = found
     rid = blamed or request_id
     about = f" for request {rid!r}" if rid else ""
-    err = SchedulerError(
-        f"{plugin} raised in {method}(){about}: {type(exc).__name__}: {exc}{after}",
-        plugin=plugin,
-        rule=f"{method}() raised",
-        request_id=rid,
-    )
+    message = f"{plugin} raised in {method}(){about}: {type(exc).__name__}: {exc}{after}"
+    err = SchedulerError(message, plugin=plugin, rule=f"{method}() raised", request_id=rid)
     err.__cause__ = exc
     return err
 
@@ -319,17 +294,15 @@ def blame(exc: BaseException, names: Mapping[int, str]) -> tuple[str, str, str |
     found: tuple[str, str, str | None] | None = None
     owner: object = None
     outer: str | None = None  # the request a frame outside the plugin was working on
-    tb: TracebackType | None = exc.__traceback__
-    while tb is not None:
-        local = tb.tb_frame.f_locals
+    for frame, _ in walk_tb(exc.__traceback__):
+        local = frame.f_locals
         obj = local.get("self")
         if obj is not None and (owner is None or obj is owner) and id(obj) in names:
             owner = obj
             request = _request_in(local) or (found[2] if found else None) or outer
-            found = (names[id(obj)], tb.tb_frame.f_code.co_name, request)
+            found = (names[id(obj)], frame.f_code.co_name, request)
         elif owner is None:
             outer = _request_in(local) or outer
-        tb = tb.tb_next
     return found
 
 

@@ -55,7 +55,6 @@ class Queues(Protocol):
     def forget(self, seq: Sequence, now: float) -> None: ...
 
 
-
 class OrderedOnDemand(Seq[Sequence]):
     """The waiting queue in queue order, sorted on first use.
 
@@ -113,13 +112,6 @@ class StepPlanner:
         self.tokens[seq] = n
         self.tokens_left -= n
         self.seqs_left -= 1
-
-    def _unschedule(self, seq: Sequence) -> None:
-        n = self.tokens.pop(seq)
-        self.partials.discard(seq)
-        self.out.scheduled = [s for s in self.out.scheduled if s.seq is not seq]
-        self.tokens_left += n
-        self.seqs_left += 1
 
     def _tokens_for(self, seq: Sequence) -> int:
         return self.policies.num_tokens(seq, self.tokens_left, not self.tokens)
@@ -183,8 +175,7 @@ class StepPlanner:
             self._add(seq, n)
 
     def _waiting(self) -> None:
-        sched, out = self.sched, self.out
-        if out.preempted or out.swap_in or sched.swapped or not sched.waiting:
+        if self.out.preempted or self.out.swap_in or self.sched.swapped or not self.sched.waiting:
             return
         if self.tokens_left <= 0 or (not self._has_slot() and not self.policies.queue.preempts_running):
             return
@@ -196,20 +187,22 @@ class StepPlanner:
             # Map the cached prefix first: the prefill policy and the budget then see only the rest.
             hit = self.blocks.acquire_cached(seq)
             try:
-                verdict = self._admit(seq, hit)
+                if not self._admit(seq, hit):
+                    break
             except BaseException:  # a policy raised: a waiting sequence must not keep the blocks it mapped
                 if seq.status is SequenceStatus.WAITING:
                     self._return_cached(seq)
                 raise
-            if verdict == "stop":
-                break
 
-    def _admit(self, seq: Sequence, hit: int) -> str:
-        """Admit ``seq`` (its cached prefix already mapped): "admitted", "failed" or "stop" (it does not fit)."""
+    def _admit(self, seq: Sequence, hit: int) -> bool:
+        """Admit ``seq`` (its cached prefix already mapped); False if it does not fit: admissions stop there.
+
+        True also when ``seq`` failed, alone in the cache and still too big: those behind it may fit.
+        """
         n = self._tokens_for(seq)
         if n <= 0 or (not self._has_slot() and not self._evict_lower(seq, n, self._has_slot)):
             self._return_cached(seq)
-            return "stop"
+            return False
         fits = lambda: self.blocks.can_grow(seq, n)  # noqa: E731
         if not fits() and not self._evict_lower(seq, n, fits):
             alone = self.blocks.num_used_blocks == len(seq.block_table)  # alone in the cache, still too big
@@ -217,13 +210,12 @@ class StepPlanner:
             self._return_cached(seq)
             if alone:
                 self._fail(seq, message)
-                return "failed"
-            return "stop"
+            return alone
         self.blocks.record_lookup(seq, hit)
         self.sched.admitted(seq, self.now)
         self.blocks.grow(seq, n)
         self._add(seq, n)
-        return "admitted"
+        return True
 
     def _return_cached(self, seq: Sequence) -> None:
         """Undo :meth:`BlockManager.acquire_cached` for a sequence that stays waiting."""
@@ -238,27 +230,20 @@ class StepPlanner:
 
         This is what makes a ranking preemptive (priority, MLFQ): without it a
         request that outranks everything running still waits for a slot to end.
+        It evicts nothing unless evicting all of them would give ``seq`` its blocks:
+        a preemption that cannot admit ``seq`` only destroys work.
         """
-        lower = self._outranked_by(seq, n)
-        if lower is None:
+        queue = self.policies.queue
+        if not queue.preempts_running:
+            return False
+        lower = [r for r in self.sched.running if queue.outranks(seq, r, self.now)]
+        if self.blocks.num_free_blocks + self.blocks.num_freed_by(lower) < self.blocks.blocks_needed(seq, n):
             return False
         while lower and not enough():
             victim = self.policies.victim(lower, self.now)
             lower.remove(victim)
             self._preempt(victim)
         return enough()
-
-    def _outranked_by(self, seq: Sequence, n: int) -> list[Sequence] | None:
-        """The running sequences ``seq`` may evict, if evicting all of them would give it its blocks.
-
-        None otherwise: a preemption that cannot admit ``seq`` only destroys work.
-        """
-        queue = self.policies.queue
-        if not queue.preempts_running:
-            return None
-        lower = [r for r in self.sched.running if queue.outranks(seq, r, self.now)]
-        freeable = self.blocks.num_free_blocks + self.blocks.num_freed_by(lower)
-        return lower if freeable >= self.blocks.blocks_needed(seq, n) else None
 
     def _make_room(self, seq: Sequence, n: int) -> bool:
         """Evict until ``seq`` can grow by ``n`` tokens; False if ``seq`` itself lost."""
@@ -274,8 +259,11 @@ class StepPlanner:
         return True
 
     def _preempt(self, victim: Sequence) -> None:
-        if victim in self.tokens:
-            self._unschedule(victim)
+        if victim in self.tokens:  # take its share of this step back
+            self.partials.discard(victim)
+            self.out.scheduled = [s for s in self.out.scheduled if s.seq is not victim]
+            self.tokens_left += self.tokens.pop(victim)
+            self.seqs_left += 1
         self.sched.preempt(victim, self.out, self.now)
 
     def _too_big(self, seq: Sequence, n: int) -> str:
