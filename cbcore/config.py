@@ -68,8 +68,11 @@ class SchedulerConfig(BaseModel):
         """A slot given only parameters (``--set scheduler.prefill.chunk_size=32``) keeps its default policy."""
         if not isinstance(data, dict):
             return data
-        named = {slot: {"name": cls.model_fields[slot].default.name} for slot in SLOTS}
-        return {k: named[k] | v if k in named and isinstance(v, dict) else v for k, v in data.items()}
+        data = dict(data)
+        for slot in SLOTS:
+            if isinstance(value := data.get(slot), dict):
+                data[slot] = {"name": cls.model_fields[slot].default.name} | value
+        return data
 
 
 class KVCacheConfig(BaseModel):
@@ -169,9 +172,12 @@ class EngineConfig(BaseModel):
         registry = get_registry(tuple(self.plugins))
         if self.scheduler.name is not None:
             registry.params_for("scheduler", self.scheduler.name, self.scheduler.params, "scheduler")
-        specs: dict[str, PluginSpec] = {f"scheduler.{slot}": getattr(self.scheduler, slot) for slot in SLOTS}
-        for where, spec in {**specs, "backend": self.backend, "router": self.router}.items():
-            registry.params_for(where.removeprefix("scheduler."), spec.name, spec.params, where)
+        for slot in SLOTS:
+            spec: PluginSpec = getattr(self.scheduler, slot)
+            registry.params_for(slot, spec.name, spec.params, f"scheduler.{slot}")
+        for kind in ("backend", "router"):
+            spec = getattr(self, kind)
+            registry.params_for(kind, spec.name, spec.params, kind)
         return self
 
     # -- loading -------------------------------------------------------------
