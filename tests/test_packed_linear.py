@@ -141,3 +141,24 @@ def test_the_small_row_kernel_multiplies_like_torch_and_each_row_alone(n, k, wit
     alone = torch.cat([product(x[i : i + 1]) for i in range(EXACT_ROWS)])
     assert torch.equal(product(x), alone)
     assert small_gemm_refusal(weight.double()) is not None
+
+
+@needs_onednn
+def test_a_long_step_runs_row_by_row_in_the_pieces_and_gives_the_whole_steps_logits(monkeypatch):
+    """Everything but attention runs per row piece (no product's output joined): bit for bit what
+    multiplying the whole step at once gives, with a remainder piece and a second layer's residual."""
+    from cbcore.models import fused_decoder
+
+    model = tiny_model("llama")
+    prompts = random_prompts(2, 150, 151, seed=6)  # 300 rows: a 256-row piece and a 44-row remainder
+    assert len(fused_decoder.row_slices(300)) == 2 and model.config.num_hidden_layers > 1
+    logits = {}
+    for how in ("parts", "whole"):
+        if how == "whole":
+            monkeypatch.setattr(fused_decoder, "row_slices", lambda n: [slice(0, n)])
+        engine = Engine(model, config=_config(linear="onednn", forward="fused"))
+        run = engine.runner.forward
+        engine.runner.forward = lambda batch, run=run, how=how: logits.setdefault(how, run(batch))
+        engine.generate(prompts, SamplingParams(max_new_tokens=1))
+    assert logits["parts"].shape == (2, model.config.vocab_size)
+    assert torch.equal(logits["parts"], logits["whole"])

@@ -149,6 +149,12 @@ def row_pieces(n: int) -> list[tuple[int, int, int]]:
     return pieces
 
 
+def row_slices(n: int) -> list[slice]:
+    """The row ranges of :func:`row_pieces`: row-wise work done per range multiplies each piece as it
+    is, and what one product would join back together (a copy of its whole output) is never joined."""
+    return [slice(a, b) for a, b, _ in row_pieces(n)] if n > EXACT_ROWS else [slice(0, n)]
+
+
 def _piece(rows: torch.Tensor, padded: int, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     n = len(rows)
     if padded != n:
