@@ -40,7 +40,7 @@ from cbcore.scheduling.request import (
 from cbcore.scheduling.sampling_params import SamplingParams
 from cbcore.scheduling.scheduler import Scheduler, SchedulerOutput
 from cbcore.scheduling.sequence import FinishReason, Sequence, SequenceStatus
-from cbcore.scheduling.step import Steps
+from cbcore.scheduling.step import Steps, StepTransaction
 
 log = get_logger(__name__)
 
@@ -213,7 +213,7 @@ class EngineCore:
         blocks = self.scheduler.blocks
         queries0, hits0 = blocks.prefix_cache_queries_tokens, blocks.prefix_cache_hits_tokens
         t0 = self.clock()
-        tx = self.steps.begin(self._live.values())
+        tx = StepTransaction(self.steps, self._live.values())
         try:
             plan = tx.plan()
             out = tx.out

@@ -33,7 +33,7 @@ from cbcore.scheduling.policy_scheduler import PolicyScheduler
 from cbcore.scheduling.sampling_params import SamplingParams
 from cbcore.scheduling.scheduler import SchedulerOutput
 from cbcore.scheduling.sequence import FinishReason, Sequence
-from cbcore.scheduling.step import Steps
+from cbcore.scheduling.step import Steps, StepTransaction
 from cbcore.scheduling.step_planner import StepPlanner
 from cbcore.testing.block_invariants import check_blocks
 
@@ -97,7 +97,7 @@ class FakeRun:
 
     def step(self) -> Step:
         # Through the engine's step transaction: every plan is checked as the engine checks it.
-        tx = self.rules.begin([s for s in self.seqs.values() if not s.is_finished])
+        tx = StepTransaction(self.rules, [s for s in self.seqs.values() if not s.is_finished])
         tx.plan()
         out = tx.out
         if self.kv is not None:
@@ -411,7 +411,7 @@ def test_swap_round_trip_restores_block_contents_exactly() -> None:
 
 
 def _contents(kv: KVCache, table: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    slots = kv._slots(table)
+    slots = (torch.tensor(table)[:, None] * kv.block_size + torch.arange(kv.block_size)).reshape(-1)
     return kv.k[:, slots].clone(), kv.v[:, slots].clone()
 
 

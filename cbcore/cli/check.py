@@ -16,6 +16,7 @@ from typing import Any
 
 from cbcore.cli.options_util import add_engine_flags, build_config, load_model
 from cbcore.cli.requests_util import BadInput, Job, encode, make_job, read_jobs
+from cbcore.config import SLOTS
 
 DEFAULT_CAP = 32
 # Varied on purpose: chat and plain prompts, one word to a paragraph, code, non-English text.
@@ -138,9 +139,7 @@ def describe_config(config: Any) -> str:
     if sched.name is not None:
         policies = f"scheduler {sched.name}"
     else:
-        policies = "+".join(
-            getattr(sched, slot).name for slot in ("queue", "budget", "prefill", "preemption")
-        )
+        policies = "+".join(getattr(sched, slot).name for slot in SLOTS)
     kv = config.kv_cache
     blocks = f"{kv.num_blocks} blocks" if kv.num_blocks else f"{kv.max_memory_mb:g} MiB"
     return f"{policies}; backend {config.backend.name}; kv {blocks} of {kv.block_size}; {config.model.dtype}"

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
 from typing import Any
 
-from cbcore.config import EngineConfig
+from cbcore.config import SLOTS, EngineConfig
 from cbcore.log import get_logger
 from cbcore.plugins import get_registry
 from cbcore.scheduling.block_manager import BlockManager
@@ -28,7 +28,7 @@ from cbcore.scheduling.policy import (
     SchedulerState,
     StepResult,
 )
-from cbcore.scheduling.policy_set import SLOTS, PolicySet, describe
+from cbcore.scheduling.policy_set import PolicySet, describe
 from cbcore.scheduling.scheduler import Scheduler, SchedulerOutput
 from cbcore.scheduling.sequence import FinishReason, Sequence, SequenceStatus
 from cbcore.scheduling.step_planner import OrderedOnDemand, StepPlanner

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 from typing import Any, NoReturn
 
+from cbcore.config import SLOTS
 from cbcore.log import get_logger
 from cbcore.scheduling.policy import (
     BudgetPolicy,
@@ -31,9 +32,6 @@ from cbcore.scheduling.scheduler import SchedulerError
 from cbcore.scheduling.sequence import Sequence
 
 log = get_logger(__name__)
-
-SLOTS = ("queue", "budget", "prefill", "preemption")
-
 
 def describe(plugin: object, origin: str | None = None) -> str:
     """``queue policy 'fcfs' (built-in)``."""

@@ -54,9 +54,6 @@ class Steps:
         self.spent = 0  # tokens computed since a token was last sampled
         self.idle = 0  # steps in a row that computed nothing
 
-    def begin(self, live: Iterable[Sequence]) -> StepTransaction:
-        return StepTransaction(self, live)
-
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)``; an exception out of plugin code becomes a :class:`SchedulerError` naming it."""
         try:
@@ -96,7 +93,7 @@ class Steps:
 
 
 class StepTransaction:
-    """What one step changed, so that it can be undone; created by :meth:`Steps.begin`."""
+    """What one step changed, so that it can be undone; one per step."""
 
     def __init__(self, steps: Steps, live: Iterable[Sequence]) -> None:
         self.steps = steps

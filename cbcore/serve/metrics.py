@@ -31,7 +31,7 @@ from prometheus_client import (
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from cbcore.bench.classes import deadline_met
-from cbcore.config import EngineConfig
+from cbcore.config import SLOTS, EngineConfig
 from cbcore.engine import StepRecord
 from cbcore.outputs import EngineLoad, RequestOutput
 
@@ -90,7 +90,7 @@ def policy_label(config: EngineConfig) -> str:
     sched = config.scheduler
     if sched.name is not None:
         return sched.name
-    return "+".join(getattr(sched, slot).name for slot in ("queue", "budget", "prefill", "preemption"))
+    return "+".join(getattr(sched, slot).name for slot in SLOTS)
 
 
 class ServerMetrics:
