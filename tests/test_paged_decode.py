@@ -120,3 +120,28 @@ def test_paged_decode_matches_a_plain_softmax_at_any_score_spread(spread):
     weights = (torch.einsum("hd,nhd->hn", q[0].double(), keys.double()) * SCALE).softmax(-1)
     expected = torch.einsum("hn,nhd->hd", weights, values.double()).float()
     torch.testing.assert_close(got[0], expected, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 7, 40])  # fewer rows than twice the threads: units are (row, KV head)
+def test_every_row_is_computed_once_and_alike_whatever_the_threads(rows, monkeypatch):
+    """Threads split the rows by their keys (so each knows what it reads next): every row is
+    computed, by exactly the instructions of one thread alone, for any thread count."""
+    torch.manual_seed(rows)
+    heads, kv_heads, head_dim, block_size = 6, 2, 64, 16
+    counts = torch.randint(1, 70, (rows,))
+    counts[0] = 70  # one long row beside short ones: uneven shares
+    tables = torch.randperm(rows * 5).view(rows, 5).to(torch.int32)
+    k = torch.randn(rows * 5 * block_size, kv_heads, head_dim)
+    v = torch.randn(rows * 5 * block_size, kv_heads, head_dim)
+    q = torch.randn(rows, heads, head_dim)
+    keys = paged_decode.PagedRows(tables, torch.zeros(rows, dtype=torch.long), counts, block_size)
+    outs = {}
+    for threads in (1, 2, 3, 5):
+        monkeypatch.setattr(torch, "get_num_threads", lambda threads=threads: threads)
+        outs[threads] = paged_decode.paged_decode(q, k, v, keys, SCALE)
+    assert all(torch.equal(outs[1], out) for out in outs.values())
+    for row in range(rows):
+        slots = (tables[row].long()[:, None] * block_size + torch.arange(block_size)).reshape(-1)[: counts[row]]
+        keys_, values = (t[slots].repeat_interleave(heads // kv_heads, dim=1).double() for t in (k, v))
+        weights = (torch.einsum("hd,nhd->hn", q[row].double(), keys_) * SCALE).softmax(-1)
+        torch.testing.assert_close(outs[1][row], torch.einsum("hn,nhd->hd", weights, values).float(), atol=2e-5, rtol=1e-4)

@@ -19,6 +19,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <omp.h>
 #include <stdlib.h>
 #include "simd.h"
 
@@ -99,6 +100,23 @@ static inline int64_t run_at(const int32_t *table, int64_t block_size, int64_t p
     return (int64_t)table[block] * block_size + offset;
 }
 
+/* Ask for `count` slots' records from `slot` on into L2 (a run never crosses its block). */
+static inline void prefetch_run(const float *pool, int64_t slot, int64_t count, int64_t slot_stride) {
+    const char *p = (const char *)(pool + slot * slot_stride), *end = (const char *)(pool + (slot + count) * slot_stride);
+    for (; p < end; p += 64) __builtin_prefetch(p, 0, 2);
+}
+
+/* One block of a row, from `*pos` on, asked for into L2 (nothing once `*pos` reaches `end`). */
+static inline void prefetch_next_block(const float *pool, const int32_t *table, int64_t block_size, int64_t *pos,
+                                       int64_t end, int64_t slot_stride) {
+    if (table != NULL && *pos < end) {
+        int64_t run;
+        const int64_t slot = run_at(table, block_size, *pos, end - *pos, &run);
+        prefetch_run(pool, slot, run, slot_stride);
+        *pos += run;
+    }
+}
+
 /* Every position a row will read, checked against its table and the pool; the longest row's length. */
 static int check_rows(const int32_t *tables, int64_t table_stride, const int64_t *starts, const int64_t *counts,
                       int64_t rows, int64_t block_size, int64_t num_blocks, int64_t *max_count) {
@@ -128,6 +146,8 @@ int cb_paged_decode_f32(const float *query, const float *k_pool, const float *v_
      * that share one KV head: a single long row then keeps kv_heads threads busy, while many rows
      * keep reading all of a slot's KV heads at once (768 contiguous bytes instead of 256 strided). */
     const int64_t split = rows < 2 * threads ? kv_heads : 1, span = kv_heads / split;
+    int64_t total = 0;
+    for (int64_t row = 0; row < rows; row++) total += counts[row] * split;
 #pragma omp parallel num_threads(threads)
     {
         /* Per thread: softmax weights [heads, max_count], accumulators [heads, head_dim], sums [heads]. */
@@ -139,17 +159,38 @@ int cb_paged_decode_f32(const float *query, const float *k_pool, const float *v_
             failed = 1;
         }
 #pragma omp barrier
+        /* Each thread takes consecutive units holding an equal share of the keys, so it knows the
+         * unit it runs next: the pool is far larger than any cache, and the hardware prefetcher does
+         * not look past a block (a few KB). So while a row's keys are scored its values are asked
+         * for, and while its values are summed the next unit's keys. Reading a pool in DRAM, the
+         * kernel took 10 GB/s without this and 15 with it, of the 30 the two cores stream; whole
+         * decode steps of the default model took 0.89-0.94x the time (16 and 64 rows). */
+        const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
+        const int64_t lo = total * tid / nt, hi = total * (tid + 1) / nt;
+        int64_t first = 0, last = 0;
+        for (int64_t unit = 0, seen = 0; unit < rows * split; unit++) {
+            const int64_t cost = counts[unit / split];
+            if (seen < lo) first = unit + 1;
+            if (seen < hi) last = unit + 1;
+            seen += cost;
+        }
         if (!failed) {
-#pragma omp for schedule(dynamic)
-            for (int64_t unit = 0; unit < rows * split; unit++) {
+            for (int64_t unit = first; unit < last; unit++) {
                 const int64_t row = unit / split, h0 = (unit % split) * span * group, h1 = h0 + span * group;
                 const int32_t *table = tables + row * table_stride;
                 const int64_t start = starts[row], n = counts[row];
                 const float *q = query + row * heads * head_dim;
+                /* The next unit's keys are asked for block by block while this unit's values are summed. */
+                const int64_t next = unit + 1 < last ? (unit + 1) / split : -1;
+                const int32_t *next_table = next < 0 ? NULL : tables + next * table_stride;
+                const int64_t next_end = next < 0 ? 0 : starts[next] + counts[next];
+                int64_t next_k = next < 0 ? 0 : starts[next];
                 int64_t run;
                 /* Scores, one pass over the keys. */
                 for (int64_t pos = start, l = 0; pos < start + n; pos += run) {
-                    const float *k = k_pool + run_at(table, block_size, pos, start + n - pos, &run) * slot_stride;
+                    const int64_t slot = run_at(table, block_size, pos, start + n - pos, &run);
+                    const float *k = k_pool + slot * slot_stride;
+                    prefetch_run(v_pool, slot, run, slot_stride);
                     int64_t i = 0;
 #if CB_AVX2
                     if (head_dim % 8 == 0)
@@ -191,6 +232,7 @@ int cb_paged_decode_f32(const float *query, const float *k_pool, const float *v_
                 /* Weighted values, one pass. */
                 for (int64_t pos = start, l = 0; pos < start + n; pos += run, l += run) {
                     const float *v = v_pool + run_at(table, block_size, pos, start + n - pos, &run) * slot_stride;
+                    prefetch_next_block(k_pool, next_table, block_size, &next_k, next_end, slot_stride);
 #if CB_AVX2
                     if (head_dim % 8 == 0) {
                         for (int64_t h = h0; h < h1; h++)
@@ -203,6 +245,7 @@ int cb_paged_decode_f32(const float *query, const float *k_pool, const float *v_
                         for (int64_t h = h0; h < h1; h++)
                             add_scaled(acc + h * head_dim, weights[h * n + l + i], v + (h / group) * head_dim, head_dim);
                 }
+                while (next_k < next_end) prefetch_next_block(k_pool, next_table, block_size, &next_k, next_end, slot_stride);
                 for (int64_t h = h0; h < h1; h++) {
                     float *o = out + (row * heads + h) * head_dim;
                     const float inv = 1.f / sums[h];
