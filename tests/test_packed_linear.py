@@ -162,3 +162,29 @@ def test_a_long_step_runs_row_by_row_in_the_pieces_and_gives_the_whole_steps_log
         engine.generate(prompts, SamplingParams(max_new_tokens=1))
     assert logits["parts"].shape == (2, model.config.vocab_size)
     assert torch.equal(logits["parts"], logits["whole"])
+
+
+def test_every_projection_and_the_head_become_views_of_one_buffer_with_their_values(monkeypatch):
+    """The decode products stream their weights from one buffer (on 2 MiB pages where the kernel
+    grants them); the model keeps its values and its tied embedding, and a refusal is named."""
+    from cbcore.models import fused_decoder
+
+    model = tiny_model("llama")
+    model.lm_head.weight = model.model.embed_tokens.weight  # tied, as the default model's are
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    prompt = random_prompts(1, 9, 10, seed=2)[0]
+    expected = model(torch.tensor([prompt])).logits
+    engine = Engine(model, config=_config())
+    linears = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert len({w.untyped_storage().data_ptr() for w in linears}) == 1
+    assert engine.runner.fused.head.weight.data_ptr() == model.lm_head.weight.data_ptr()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+    assert torch.equal(model(torch.tensor([prompt])).logits, expected)
+    assert engine.runner.fused.weight_pages in ("2 MiB", "4 KiB")
+    monkeypatch.setattr(fused_decoder.WeightArena, "__init__", _refused_arena)
+    assert Engine(tiny_model("llama"), config=_config()).runner.fused.weight_pages == "4 KiB"
+
+
+def _refused_arena(self, numel, dtype):
+    self.buffer, self.why_small, self._used = torch.empty(numel, dtype=dtype), "no huge pages here", 0

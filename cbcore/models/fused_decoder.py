@@ -29,6 +29,7 @@ from cbcore.execution.batch import FlatBatch
 from cbcore.log import get_logger
 from cbcore.models.decoder_ops import NativeOps, TorchOps, native_refusal
 from cbcore.models.packed_linear import Product, row_slices, small_gemm_refusal, warm
+from cbcore.models.weight_arena import WeightArena
 
 log = get_logger(__name__)
 
@@ -50,10 +51,13 @@ def fused_refusal(model: PreTrainedModel) -> str | None:
     return None
 
 
-def _joined(modules: list[nn.Linear], onednn: bool) -> Product:
-    """One product for several projections of the same input: their weights become views of one tensor."""
+def _joined(modules: list[nn.Linear], onednn: bool, arena: WeightArena | None) -> Product:
+    """One product for one or several projections of the same input: their weights become views of one
+    tensor (in ``arena`` when given), so nothing is kept twice and ``generate()`` sees the same model."""
     with torch.no_grad():
-        weight = torch.cat([m.weight for m in modules])
+        rows, cols = sum(m.weight.shape[0] for m in modules), modules[0].weight.shape[1]
+        weight = arena.take(rows, cols) if arena is not None else modules[0].weight.new_empty(rows, cols)
+        torch.cat([m.weight for m in modules], out=weight)
         biases = [m.bias for m in modules]
         bias = torch.cat(biases) if all(b is not None for b in biases) else None
         if any(b is not None for b in biases) and bias is None:
@@ -72,14 +76,15 @@ class _Layer:
     __slots__ = ("act", "down", "gate_up", "norm1", "norm2", "o", "qkv", "scaling", "window")
 
     def __init__(
-        self, layer: nn.Module, config: Any, window: Callable[[nn.Module, Any], int | None], onednn: bool
-    ) -> None:
+        self, layer: nn.Module, config: Any, window: Callable[[nn.Module, Any], int | None], onednn: bool,
+        arena: WeightArena | None,
+    ) -> None:  # fmt: skip
         attn, mlp = layer.self_attn, layer.mlp
         self.norm1, self.norm2 = layer.input_layernorm, layer.post_attention_layernorm
-        self.qkv = _joined([attn.q_proj, attn.k_proj, attn.v_proj], onednn)
-        self.o = Product(attn.o_proj.weight, attn.o_proj.bias, onednn)
-        self.gate_up = _joined([mlp.gate_proj, mlp.up_proj], onednn)
-        self.down = Product(mlp.down_proj.weight, mlp.down_proj.bias, onednn)
+        self.qkv = _joined([attn.q_proj, attn.k_proj, attn.v_proj], onednn, arena)
+        self.o = _joined([attn.o_proj], onednn, arena)
+        self.gate_up = _joined([mlp.gate_proj, mlp.up_proj], onednn, arena)
+        self.down = _joined([mlp.down_proj], onednn, arena)
         self.act: Callable[[torch.Tensor], torch.Tensor] = mlp.act_fn
         self.scaling = attn.scaling
         self.window = window(attn, config)
@@ -93,8 +98,13 @@ class FusedDecoder:
         config = model.config
         inner = model.model
         self.embed, self.rotary, self.norm = inner.embed_tokens, inner.rotary_emb, inner.norm
-        self.layers = [_Layer(layer, config, WINDOWS[type(model)], onednn) for layer in inner.layers]
-        self.head = Product(model.lm_head.weight, model.lm_head.bias, onednn)
+        weights = [m.weight for m in model.modules() if isinstance(m, nn.Linear)]
+        arena = None
+        if weights[0].device.type == "cpu":  # every projection and the head, on huge pages (see weight_arena)
+            arena = WeightArena(sum(w.numel() for w in weights), weights[0].dtype)
+        self.weight_pages = "4 KiB" if arena is None or arena.why_small else "2 MiB"
+        self.layers = [_Layer(layer, config, WINDOWS[type(model)], onednn, arena) for layer in inner.layers]
+        self.head = _joined([model.lm_head], onednn, arena)
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         products = [p for layer in self.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
@@ -104,6 +114,8 @@ class FusedDecoder:
         log.info(
             "fused forward kernels",
             glue=self.ops.name,
+            weight_pages=self.weight_pages,
+            why_small_pages=None if arena is None else arena.why_small,
             why_torch=why_torch if native else None,
             decode_products="small_gemm" if self.head.small else ("onednn" if onednn else "standard"),
             why_onednn=small_gemm_refusal(self.head.weight) if onednn and not self.head.small else None,
