@@ -188,3 +188,18 @@ def test_every_projection_and_the_head_become_views_of_one_buffer_with_their_val
 
 def _refused_arena(self, numel, dtype):
     self.buffer, self.why_small, self._used = torch.empty(numel, dtype=dtype), "no huge pages here", 0
+
+
+def test_huge_pages_the_kernel_keeps_off_are_named_not_claimed(monkeypatch, tmp_path):
+    from cbcore.models import weight_arena
+
+    policy = tmp_path / "enabled"
+    policy.write_text("always madvise [never]\n")
+    monkeypatch.setattr(weight_arena, "THP_POLICY", str(policy))
+    arena = weight_arena.WeightArena(1000, torch.float32)
+    assert arena.why_small is not None and "[never]" in arena.why_small
+    monkeypatch.setattr(weight_arena, "THP_POLICY", str(tmp_path / "missing"))
+    assert weight_arena.advise_huge_pages(arena.buffer) == "this kernel has no transparent huge pages"
+    assert arena.take(10, 100).shape == (10, 100)
+    with pytest.raises(ValueError, match="more than the 1000 elements planned"):
+        arena.take(1, 1)

@@ -130,7 +130,7 @@ class FusedDecoder:
         h = self.embed(batch.input_ids)
         tokens = len(h)
         # Everything but attention is row by row: a long step runs it in the products' row pieces, so a
-        # product's pieces are never joined (for a 15-prompt prefill, 7 % of the step was joining them).
+        # product's pieces are never joined (0.19 s of a 2.4 s 15-prompt prefill under the profiler).
         parts = row_slices(tokens) if self.head.packed is not None else [slice(0, tokens)]
         cos, sin = self.rotary(h[None], batch.positions[None])
         cos, sin = cos[0], sin[0]

@@ -18,17 +18,23 @@ from __future__ import annotations
 
 import ctypes
 import os
+from pathlib import Path
 
 import torch
 
 HUGE_PAGE = 2 * 2**20
+THP_POLICY = "/sys/kernel/mm/transparent_hugepage/enabled"
 _MADV_HUGEPAGE = 14  # Linux
 
 
 def advise_huge_pages(t: torch.Tensor) -> str | None:
     """Ask the kernel to back ``t`` (2 MiB-aligned, not yet touched) with huge pages; None, else why not."""
-    if not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"):
+    try:
+        policy = Path(THP_POLICY).read_text()
+    except OSError:
         return "this kernel has no transparent huge pages"
+    if "[never]" in policy:
+        return f"transparent huge pages are off ({THP_POLICY}: {policy.strip()})"
     try:
         madvise = ctypes.CDLL(None, use_errno=True).madvise
     except AttributeError:

@@ -33,6 +33,7 @@ from cbcore.scheduling.sequence import Sequence
 
 log = get_logger(__name__)
 
+
 def describe(plugin: object, origin: str | None = None) -> str:
     """``queue policy 'fcfs' (built-in)``."""
     kind = getattr(plugin, "kind", "plugin")

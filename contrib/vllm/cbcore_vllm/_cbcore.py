@@ -10,7 +10,7 @@ engines because it meets the same code.
 
 from __future__ import annotations
 
-from cbcore.config import ConfigError, EngineConfig, format_validation_error
+from cbcore.config import SLOTS, ConfigError, EngineConfig, format_validation_error
 from cbcore.plugins import PluginError, get_registry
 from cbcore.scheduling.policy import (
     BudgetPolicy,
@@ -23,7 +23,7 @@ from cbcore.scheduling.policy import (
     StepLimits,
     StepResult,
 )
-from cbcore.scheduling.policy_set import SLOTS, PolicySet
+from cbcore.scheduling.policy_set import PolicySet
 from cbcore.scheduling.request import EMPTY_ATTRS, RequestFields, field_problems
 from cbcore.scheduling.sampling_params import SamplingParams
 from cbcore.scheduling.scheduler import SchedulerError
