@@ -180,8 +180,10 @@ int cb_paged_decode_f32(const float *query, const float *k_pool, const float *v_
                 const int32_t *table = tables + row * table_stride;
                 const int64_t start = starts[row], n = counts[row];
                 const float *q = query + row * heads * head_dim;
-                /* The next unit's keys are asked for block by block while this unit's values are summed. */
-                const int64_t next = unit + 1 < last ? (unit + 1) / split : -1;
+                /* The next row's keys are asked for block by block while this row's values are summed.
+                 * Not with units of one KV head: they read a slot's record a part at a time, and asking
+                 * for whole records would multiply the traffic. */
+                const int64_t next = split == 1 && unit + 1 < last ? unit + 1 : -1;
                 const int32_t *next_table = next < 0 ? NULL : tables + next * table_stride;
                 const int64_t next_end = next < 0 ? 0 : starts[next] + counts[next];
                 int64_t next_k = next < 0 ? 0 : starts[next];
@@ -190,7 +192,7 @@ int cb_paged_decode_f32(const float *query, const float *k_pool, const float *v_
                 for (int64_t pos = start, l = 0; pos < start + n; pos += run) {
                     const int64_t slot = run_at(table, block_size, pos, start + n - pos, &run);
                     const float *k = k_pool + slot * slot_stride;
-                    prefetch_run(v_pool, slot, run, slot_stride);
+                    if (split == 1) prefetch_run(v_pool, slot, run, slot_stride);
                     int64_t i = 0;
 #if CB_AVX2
                     if (head_dim % 8 == 0)
