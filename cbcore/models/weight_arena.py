@@ -3,7 +3,7 @@
 A decode step of a few rows reads every linear weight once, half a gigabyte
 for the default model in float32, and on 4 KiB pages that stream misses the
 TLB on every page: the products of 8-16 rows took 0.90-0.91x the time with
-the weights on 2 MiB pages (one rows 0.98x; 30 layers' products side by
+the weights on 2 MiB pages (one row 0.98x; 30 layers' products side by
 side, 2-core Zen 4). HF loads weights from a mapped file (4 KiB pages) and
 the joined projections come from the heap, so the fused forward copies them
 all into one anonymous buffer, asked for transparent huge pages
@@ -57,7 +57,8 @@ class WeightArena:
         self._used = 0
 
     def take(self, rows: int, cols: int) -> torch.Tensor:
-        start, self._used = self._used, self._used + rows * cols
-        if self._used > self.buffer.numel():
+        start, end = self._used, self._used + rows * cols
+        if end > self.buffer.numel():
             raise ValueError(f"weight arena: {rows} x {cols} more than the {self.buffer.numel()} elements planned")
-        return self.buffer[start : self._used].view(rows, cols)
+        self._used = end
+        return self.buffer[start:end].view(rows, cols)
