@@ -14,10 +14,13 @@ result away (work O(T x K)). Here each sequence only meets its own keys:
   query heads that share a KV head ride in the query-length axis, so K/V are
   never repeated and no ``T x K`` mask exists;
 - prefill and chunk rows run one sequence at a time. A whole prompt with no
-  prior context is the square causal case (``is_causal=True``, no mask); a
-  chunk after earlier context needs the causal diagonal aligned to the bottom
-  right (SDPA's ``is_causal`` is top-left aligned), so it gets a small
-  ``[q, k]`` mask of its own.
+  prior context is the square causal case (``is_causal=True``, no mask), and
+  whole prompts of one length that lie side by side in the step run as one
+  batched call (a load of equal prompts pays SDPA's per-call cost once per
+  layer, not once per prompt; each prompt's result is the same); a chunk after
+  earlier context needs the causal diagonal aligned to the bottom right
+  (SDPA's ``is_causal`` is top-left aligned), so it gets a small ``[q, k]``
+  mask of its own.
 
 With a sliding window ``W`` a query at position ``i`` sees keys ``j`` with
 ``i - W < j <= i``, and keys that no query of the step can see are not even
@@ -27,7 +30,7 @@ and cached in ``batch.scratch``; every layer only gathers its own K/V.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -73,13 +76,15 @@ class DecodePlan:
 
 @dataclass(frozen=True)
 class SpanPlan:
-    """One sequence running several query tokens this step (a prompt or a chunk of one)."""
+    """One sequence running several query tokens this step (a prompt or a chunk of one), or ``seqs``
+    whole prompts of one length side by side."""
 
     q_start: int  # its rows in T: [q_start, q_end)
     q_end: int
     fresh: bool  # every visible key was computed this step: read them from k/v, not the cache
     slots: torch.Tensor | None  # [n_keys] cache slots of its visible keys (None when fresh)
     mask: torch.Tensor | None  # [q, n_keys] additive; None: square causal (is_causal=True)
+    seqs: int = 1  # > 1 only for square causal spans: that many prompts of (q_end - q_start) / seqs tokens
 
 
 @dataclass(frozen=True)
@@ -160,7 +165,13 @@ def build_plan(batch: FlatBatch, sliding_window: int | None, dtype: torch.dtype,
     q_start = 0
     for i, q_len in enumerate(batch.query_lens):
         if q_len > 1:
-            spans.append(build_span_plan(batch, i, q_start, sliding_window, dtype))
+            span = build_span_plan(batch, i, q_start, sliding_window, dtype)
+            last = spans[-1] if spans else None
+            # Square causal right after square causal prompts of its length: one batched call.
+            if last and last.mask is span.mask is None and last.q_start + q_len * last.seqs == last.q_end == q_start:
+                spans[-1] = replace(last, q_end=span.q_end, seqs=last.seqs + 1)
+            else:
+                spans.append(span)
         q_start += q_len
     return SdpaPlan(decode, spans)
 
@@ -221,13 +232,14 @@ class SdpaBackend(Backend):
                 k, v = key[span_rows], value[span_rows]
             else:
                 k, v = k_pool.index_select(0, span.slots), v_pool.index_select(0, span.slots)
-            q = query[span_rows].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
-            k = k.transpose(0, 1).unsqueeze(0)  # [1, Hkv, n_keys, D]
-            v = v.transpose(0, 1).unsqueeze(0)
+            n = span.seqs
+            q = query[span_rows].unflatten(0, (n, -1)).transpose(1, 2)  # [n, H, q, D]
+            k = k.unflatten(0, (n, -1)).transpose(1, 2)  # [n, Hkv, n_keys, D]
+            v = v.unflatten(0, (n, -1)).transpose(1, 2)
             out[span_rows] = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=span.mask, is_causal=span.mask is None, scale=scaling,
                 enable_gqa=q.shape[1] != k.shape[1],
-            )[0].transpose(0, 1)  # fmt: skip
+            ).transpose(1, 2).flatten(0, 1)  # fmt: skip
         return out
 
     @staticmethod
