@@ -27,6 +27,12 @@ PRIORITIES = [i % 3 for i in range(16)]
 CLIENTS = ["alice" if i % 3 else "bob" for i in range(16)]
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked ``starts_early`` first: they start processes that later tests wait on (vLLM's, whose tests
+    come last), so that those start-ups overlap the suite instead of holding it up."""
+    items.sort(key=lambda item: item.get_closest_marker("starts_early") is None)  # stable: the rest keep their order
+
+
 class LazyDict(dict):
     """Builds a value on first access to its key."""
 

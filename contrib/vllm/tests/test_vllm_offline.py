@@ -14,7 +14,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_helpers import PLUGIN, driver_results, start_driver, start_servers_early, tiny_dir  # noqa: F401  (a fixture)
+from vllm_helpers import (  # noqa: F401  (tiny_dir is a fixture)
+    PLUGIN,
+    Started,
+    driver_results,
+    start_driver,
+    start_servers_early,
+    tiny_dir,
+)
 from vllm_trace import run_cbcore, trace
 
 # Every test here starts vLLM (from .venv-vllm, `make vllm-setup`); they run in CI.
@@ -222,13 +229,35 @@ def preemption_config(log: Path) -> dict[str, Any]:
     }
 
 
+_DRIVER: dict[str, Any] = {}  # the session's one driver, and its directory
+
+
+def started_driver(
+    tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> tuple[Started, Path]:
+    """The driver of every scenario, started on the first call (with the servers, if their tests are selected)."""
+    if not _DRIVER:
+        work = tmp_path_factory.mktemp("vllm-offline")
+        _DRIVER.update(driver=start_driver(scenarios(tiny_dir, work), work), work=work)
+        start_servers_early(request)  # the servers' start-ups share the cores with the driver's
+    return _DRIVER["driver"], _DRIVER["work"]
+
+
+@pytest.mark.starts_early
+def test_vllm_starts_in_the_background_while_the_suite_runs(
+    tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> None:
+    """Runs first (tests/conftest.py): vLLM's start-ups, over a minute of one core's work, then overlap the rest
+    of the suite, which mostly runs on one thread, and the tests below read the results when their turn comes."""
+    driver, _ = started_driver(tiny_dir, tmp_path_factory, request)
+    assert driver.proc.poll() in (None, 0), driver.log_tail()
+
+
 @pytest.fixture(scope="module")
 def runs(
     tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
 ) -> tuple[dict[str, dict[str, Any]], Path]:
-    work = tmp_path_factory.mktemp("vllm-offline")
-    driver = start_driver(scenarios(tiny_dir, work), work)
-    start_servers_early(request)  # the servers' start-ups share the cores with the driver's
+    driver, work = started_driver(tiny_dir, tmp_path_factory, request)
     return driver_results(driver, work), work
 
 
