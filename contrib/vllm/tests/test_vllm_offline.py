@@ -238,7 +238,9 @@ def started_driver(
     """The driver of every scenario, started on the first call (with the servers, if their tests are selected)."""
     if not _DRIVER:
         work = tmp_path_factory.mktemp("vllm-offline")
-        _DRIVER.update(driver=start_driver(scenarios(tiny_dir, work), work), work=work)
+        driver = start_driver(scenarios(tiny_dir, work), work)
+        request.session.addfinalizer(lambda: driver.proc.poll() is None and driver.proc.kill())  # a run cut short
+        _DRIVER.update(driver=driver, work=work)
         start_servers_early(request)  # the servers' start-ups share the cores with the driver's
     return _DRIVER["driver"], _DRIVER["work"]
 
