@@ -139,26 +139,7 @@ int cb_paged_decode_f32(const float *query, const float *k_pool, const float *v_
                 }
                 /* Softmax per head; the sum divides the output at the end. */
                 for (int64_t h = h0; h < h1; h++) {
-                    float *w = weights + h * n;
-                    float max = -INFINITY, sum = 0.f;
-                    for (int64_t l = 0; l < n; l++) max = w[l] > max ? w[l] : max;
-                    int64_t l = 0;
-#if CB_AVX2
-                    __m256 total = _mm256_setzero_ps();
-                    for (; l + 8 <= n; l += 8) {
-                        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(w + l), _mm256_set1_ps(max)));
-                        _mm256_storeu_ps(w + l, e);
-                        total = _mm256_add_ps(total, e);
-                    }
-                    float lanes[8];
-                    _mm256_storeu_ps(lanes, total);
-                    for (int i = 0; i < 8; i++) sum += lanes[i];
-#endif
-                    for (; l < n; l++) {
-                        w[l] = expf(w[l] - max);
-                        sum += w[l];
-                    }
-                    sums[h] = sum;
+                    sums[h] = softmax_weights(weights + h * n, n);
                     for (int64_t d = 0; d < head_dim; d++) acc[h * head_dim + d] = 0.f;
                 }
                 /* Weighted values, one pass. */

@@ -44,29 +44,6 @@ static inline void weighted64_heads(float *restrict acc, const float *restrict w
 }
 #endif
 
-/* Softmax of w[0:n] in place, unnormalised; returns the sum that normalises it. */
-static inline float softmax_weights(float *restrict w, int64_t n) {
-    float max = -INFINITY, sum = 0.f;
-    for (int64_t l = 0; l < n; l++) max = w[l] > max ? w[l] : max;
-    int64_t l = 0;
-#if CB_AVX2
-    __m256 total = _mm256_setzero_ps();
-    for (; l + 8 <= n; l += 8) {
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(w + l), _mm256_set1_ps(max)));
-        _mm256_storeu_ps(w + l, e);
-        total = _mm256_add_ps(total, e);
-    }
-    float lanes[8];
-    _mm256_storeu_ps(lanes, total);
-    for (int i = 0; i < 8; i++) sum += lanes[i];
-#endif
-    for (; l < n; l++) {
-        w[l] = expf(w[l] - max);
-        sum += w[l];
-    }
-    return sum;
-}
-
 /* Query row r of one prompt, for the `group` query heads of one KV head: scores, softmax, weighted values. */
 static inline __attribute__((always_inline)) void attend_row(
     const float *q, int64_t q_head, const float *k, int64_t k_stride, const float *v, int64_t v_stride, float *o,

@@ -7,6 +7,7 @@
  */
 #ifndef CBCORE_SIMD_H
 #define CBCORE_SIMD_H
+#include <math.h>
 #include <stdint.h>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -39,7 +40,7 @@ static inline __m256 exp8(__m256 x) {
 #endif
 
 /* The attention kernels' inner loops (paged_decode.c, prompt_attention.c): a dot product, y += p x,
- * and with AVX2 eight keys' scores at once and a weighted sum of value rows. */
+ * with AVX2 eight keys' scores at once and a weighted sum of value rows; and an unnormalised softmax. */
 static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
     float s = 0.f;
 #pragma omp simd reduction(+ : s)
@@ -109,5 +110,28 @@ static inline void add_weighted8(float *restrict y, const float *restrict w, con
 }
 
 #endif
+
+/* Softmax of w[0:n] in place, unnormalised; returns the sum that normalises it. */
+static inline float softmax_weights(float *restrict w, int64_t n) {
+    float max = -INFINITY, sum = 0.f;
+    for (int64_t l = 0; l < n; l++) max = w[l] > max ? w[l] : max;
+    int64_t l = 0;
+#if CB_AVX2
+    __m256 total = _mm256_setzero_ps();
+    for (; l + 8 <= n; l += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(w + l), _mm256_set1_ps(max)));
+        _mm256_storeu_ps(w + l, e);
+        total = _mm256_add_ps(total, e);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, total);
+    for (int i = 0; i < 8; i++) sum += lanes[i];
+#endif
+    for (; l < n; l++) {
+        w[l] = expf(w[l] - max);
+        sum += w[l];
+    }
+    return sum;
+}
 
 #endif
