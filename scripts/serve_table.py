@@ -1,6 +1,8 @@
-"""One markdown table from guidellm 0.8.1 JSON reports, one row per report.
+"""One markdown table from guidellm 0.8.1 JSON reports, one row per server and stream count.
 
-Usage: serve_table.py SERVER:STREAMS=REPORT.json ...   (a missing report prints a "failed" row)
+Usage: serve_table.py SERVER:STREAMS=REPORT.json[,REPORT.json...] ...
+(several reports: the rounds of one row, each figure their median; a missing report is counted as
+a failed round, and a row with none prints "failed")
 
 Every figure is guidellm's own, from ``benchmarks[0].metrics`` over the completed
 requests: output tokens/s is their output tokens over the benchmark's duration;
@@ -14,6 +16,7 @@ count when a server reports none, so "out tok/req" shows what was asked for then
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -27,12 +30,12 @@ COLUMNS = (
     "ITL p50 (ms)",
     "e2e mean (s)",
 )
+# The figures of a row, with their format: a round's own, or the median over the rounds.
+FIGURES = (("tok_s", "{:.1f}"), ("tok_req", "{:.1f}"), ("ttft_s", "{:.3f}"), ("itl_ms", "{:.1f}"), ("e2e_s", "{:.2f}"))
 
 
-def row(label: str, streams: str, path: Path) -> tuple[list[str], list[str]]:
-    """The table row of one report and the warnings guidellm attached to it."""
-    if not path.exists():
-        return [label, streams, "failed (see its log)", "", "", "", "", ""], []
+def read(path: Path) -> dict:
+    """One report's counts, figures and guidellm's warnings."""
     bench = json.loads(path.read_text())["benchmarks"][0]
     m = {
         key: value["successful"]
@@ -40,22 +43,35 @@ def row(label: str, streams: str, path: Path) -> tuple[list[str], list[str]]:
         if isinstance(value, dict) and "successful" in value
     }
     totals = bench["metrics"]["request_totals"]
-    asked = bench["config"]["constraints"]["max_requests"]["args"]["count"]
+    return {
+        "streams": bench["config"]["strategy"]["streams"],
+        "asked": bench["config"]["constraints"]["max_requests"]["args"]["count"],
+        "ok": totals["successful"],
+        "err": totals["errored"],
+        "cut": totals["incomplete"],
+        "tok_s": m["output_tokens_per_second"]["mean"],
+        "tok_req": m["output_token_count"]["mean"],
+        "ttft_s": m["time_to_first_token_ms"]["percentiles"]["p50"] / 1000,
+        "itl_ms": m["inter_token_latency_ms"]["percentiles"]["p50"],
+        "e2e_s": m["request_latency"]["mean"],
+        "warnings": [f"{w['code']}: {w['message']}" for w in bench.get("warnings") or []],
+    }
+
+
+def row(label: str, streams: str, paths: list[Path]) -> tuple[list[str], list[str]]:
+    """The table row of one server and stream count over its rounds, and the warnings guidellm attached."""
+    rounds = [read(p) for p in paths if p.exists()]
+    if not rounds:
+        return [label, streams, "failed (see its log)", "", "", "", "", ""], []
     # "of": guidellm can end a run with a request in flight and record it nowhere (seen once, 1 of 2)
-    done = f"{totals['successful']} / {totals['errored']} of {asked}"
-    if totals["incomplete"]:
-        done += f" (+{totals['incomplete']} cut)"
-    cells = [
-        label,
-        str(bench["config"]["strategy"]["streams"]),
-        done,
-        f"{m['output_tokens_per_second']['mean']:.1f}",
-        f"{m['output_token_count']['mean']:.1f}",
-        f"{m['time_to_first_token_ms']['percentiles']['p50'] / 1000:.3f}",
-        f"{m['inter_token_latency_ms']['percentiles']['p50']:.1f}",
-        f"{m['request_latency']['mean']:.2f}",
-    ]
-    return cells, [f"{w['code']}: {w['message']}" for w in bench.get("warnings") or []]
+    done = f"{sum(r['ok'] for r in rounds)} / {sum(r['err'] for r in rounds)} of {sum(r['asked'] for r in rounds)}"
+    if cut := sum(r["cut"] for r in rounds):
+        done += f" (+{cut} cut)"
+    if len(paths) > 1:
+        done += f", {len(rounds)} of {len(paths)} rounds"
+    cells = [label, str(rounds[0]["streams"]), done]
+    cells += [fmt.format(statistics.median(r[key] for r in rounds)) for key, fmt in FIGURES]
+    return cells, [w for r in rounds for w in r["warnings"]]
 
 
 def main(args: list[str]) -> None:
@@ -63,9 +79,9 @@ def main(args: list[str]) -> None:
     print("|" + "---|" * 2 + "---:|" * (len(COLUMNS) - 2))
     notes = []
     for arg in args:
-        name, _, path = arg.partition("=")
+        name, _, paths = arg.partition("=")
         label, _, streams = name.partition(":")
-        cells, warnings = row(label, streams, Path(path))
+        cells, warnings = row(label, streams, [Path(p) for p in paths.split(",")])
         print("| " + " | ".join(cells) + " |")
         notes += [f"- {label} @ {cells[1]} streams, guidellm warned {w}" for w in warnings]
     if notes:

@@ -7,11 +7,15 @@
 # of $STREAMS concurrent streams, stop, wait for the port to be free, next server.
 # Load: 128-token synthetic prompts, exactly 64 output tokens, greedy, streamed /v1/completions
 # (the one endpoint all three serve with plain-text prompts).
+# With REPEAT=N the whole server list runs N times, reversed on every other round (A B, B A, A B,
+# ...), so drift of a shared machine's speed over the run falls on every server alike; the table
+# then gives each figure's median over the rounds.
 # Prints one markdown table; guidellm's JSON reports and logs and the server logs stay in $OUT.
 #
 # Usage: scripts/serve_vs_vllm.sh   (from anywhere), settings in the environment:
 #   SERVERS="vllm cbcore cbcore-vllm-limits transformers"   which servers, in this order
 #   STREAMS="16 64"                      concurrent streams, one guidellm run each
+#   REPEAT=1                             rounds of the whole server list (order reversed every other round)
 #   REQUESTS=                            requests per run (default: max(48, 3 x streams))
 #   SINGLE_REQUESTS=8                    requests of the 1-stream run
 #   CB_ARGS= / TF_ARGS=                  extra `cb serve` / `transformers serve` arguments
@@ -27,6 +31,8 @@ SERVERS=${SERVERS:-vllm cbcore cbcore-vllm-limits transformers}
 # vLLM's defaults for its OpenAI server on a CPU (vllm/engine/arg_utils.py, get_batch_defaults).
 VLLM_LIMITS="--set scheduler.budget.max_num_seqs=128 --set scheduler.budget.max_num_batched_tokens=2048"
 STREAMS=${STREAMS:-16 64}
+REPEAT=${REPEAT:-1}
+[[ $REPEAT =~ ^[1-9][0-9]*$ ]] || { echo "REPEAT must be a positive integer, got '$REPEAT'" >&2; exit 2; }
 SINGLE_REQUESTS=${SINGLE_REQUESTS:-8}
 CB_ARGS=${CB_ARGS:-}
 # transformers sizes its KV cache from 90% of free memory, on a CPU the machine's RAM. 91 blocks of
@@ -150,7 +156,10 @@ sampling() {  # the body fields each server gets beside max_tokens: greedy, and 
   esac
 }
 
-# run_point NAME URL MODEL_ID STREAMS REQUESTS: one guidellm run, its JSON in $OUT.
+# report NAME STREAMS ROUND: the path of one guidellm report (no round suffix when there is one round).
+report() { if [ "$REPEAT" = 1 ]; then echo "$OUT/$1-c$2"; else echo "$OUT/$1-c$2-r$3"; fi; }
+
+# run_point NAME URL MODEL_ID STREAMS REQUESTS ROUND: one guidellm run, its JSON in $OUT.
 run_point() {
   local body extra
   body=$(sampling "$1")
@@ -165,36 +174,48 @@ run_point() {
     --profile "kind=concurrent,streams=$4"
     --constraint "kind=max_requests,count=$5"
     --constraint "kind=max_duration,seconds=$RUN_TIMEOUT"  # a stuck server ends the run, with a report
-    --output "kind=json,path=$OUT/$1-c$4.json"
+    --output "kind=json,path=$(report "$1" "$4" "$6").json"
     --disable-progress)
-  echo "$1: $4 streams, $5 requests"
+  echo "$1: $4 streams, $5 requests (round $6 of $REPEAT)"
   quoted "${cmd[@]}" | tee -a "$OUT/commands.txt"
-  rm -f "$OUT/$1-c$4.json"
-  "${cmd[@]}" >"$OUT/$1-c$4.log" 2>&1 || echo "!! guidellm failed (rc $?), see $OUT/$1-c$4.log" >&2
+  rm -f "$(report "$1" "$4" "$6").json"
+  "${cmd[@]}" >"$(report "$1" "$4" "$6").log" 2>&1 || echo "!! guidellm failed (rc $?), see $(report "$1" "$4" "$6").log" >&2
 }
 
-rows=()
 status=0
-for server in $SERVERS; do
-  SERVER_PORT=$(free_port)
-  start_server "$server" "$SERVER_PORT" || { status=1; continue; }
-  url=http://127.0.0.1:$SERVER_PORT
-  if wait_ready "$server" "$SERVER_PORT"; then
-    id=$(curl -sf "$url/v1/models" | "$GLV/bin/python" -c 'import json, sys; print(json.load(sys.stdin)["data"][0]["id"])')
-    # Warm-up (transformers starts its batching loop on the first request, with that request's config).
-    curl -sf "$url/v1/completions" -H 'Content-Type: application/json' \
-      -d "{\"model\":\"$id\",\"prompt\":\"Hello\",\"max_tokens\":8,$(sampling "$server")}" >/dev/null ||
-      { echo "!! $server: warm-up request failed" >&2; status=1; }
-    for s in $POINTS; do
-      n=${REQUESTS:-$((3 * s > 48 ? 3 * s : 48))}
-      [ "$s" != 1 ] || n=$SINGLE_REQUESTS
-      run_point "$server" "$url" "$id" "$s" "$n"
-    done
-  else
-    status=1
+order=($SERVERS)
+for ((round = 1; round <= REPEAT; round++)); do
+  if ((round > 1)); then  # the list reversed: A B, B A, A B, ...
+    reversed=(); for ((i = ${#order[@]} - 1; i >= 0; i--)); do reversed+=("${order[i]}"); done
+    order=("${reversed[@]}")
   fi
-  stop_server
-  for s in $POINTS; do rows+=("$server:$s=$OUT/$server-c$s.json"); done
+  for server in "${order[@]}"; do
+    SERVER_PORT=$(free_port)
+    start_server "$server" "$SERVER_PORT" || { status=1; continue; }
+    url=http://127.0.0.1:$SERVER_PORT
+    if wait_ready "$server" "$SERVER_PORT"; then
+      id=$(curl -sf "$url/v1/models" | "$GLV/bin/python" -c 'import json, sys; print(json.load(sys.stdin)["data"][0]["id"])')
+      # Warm-up (transformers starts its batching loop on the first request, with that request's config).
+      curl -sf "$url/v1/completions" -H 'Content-Type: application/json' \
+        -d "{\"model\":\"$id\",\"prompt\":\"Hello\",\"max_tokens\":8,$(sampling "$server")}" >/dev/null ||
+        { echo "!! $server: warm-up request failed" >&2; status=1; }
+      for s in $POINTS; do
+        n=${REQUESTS:-$((3 * s > 48 ? 3 * s : 48))}
+        [ "$s" != 1 ] || n=$SINGLE_REQUESTS
+        run_point "$server" "$url" "$id" "$s" "$n" "$round"
+      done
+    else
+      status=1
+    fi
+    stop_server
+  done
+done
+rows=()  # one row per server and point: its reports of every round, comma-separated
+for server in $SERVERS; do
+  for s in $POINTS; do
+    paths=(); for ((round = 1; round <= REPEAT; round++)); do paths+=("$(report "$server" "$s" "$round").json"); done
+    rows+=("$server:$s=$(IFS=,; echo "${paths[*]}")")
+  done
 done
 
 versions() {  # what ran: the commit, and each venv's package as installed
@@ -210,7 +231,7 @@ versions() {  # what ran: the commit, and each venv's package as installed
 }
 {
   echo "Machine: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) CPUs; $(date -u '+%Y-%m-%d %H:%M UTC')"
-  echo "Command: SERVERS=\"$SERVERS\" STREAMS=\"$STREAMS\" REQUESTS=\"${REQUESTS:-}\" CB_ARGS=\"$CB_ARGS\" TF_ARGS=\"$TF_ARGS\" scripts/serve_vs_vllm.sh"
+  echo "Command: SERVERS=\"$SERVERS\" STREAMS=\"$STREAMS\" REPEAT=$REPEAT REQUESTS=\"${REQUESTS:-}\" CB_ARGS=\"$CB_ARGS\" TF_ARGS=\"$TF_ARGS\" scripts/serve_vs_vllm.sh"
   echo "Model: $MODEL; 128 prompt + 64 output tokens, greedy, /v1/completions streamed"
   echo "Versions: $(versions)"
   echo
