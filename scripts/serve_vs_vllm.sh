@@ -85,9 +85,13 @@ quoted() {  # a command line to copy: words single-quoted where the shell would 
 }
 listening() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 
+# server_log NAME: the server's log of this round (no round suffix when there is one round).
+server_log() { if [ "$REPEAT" = 1 ]; then echo "$OUT/$1-server.log"; else echo "$OUT/$1-server-r$round.log"; fi; }
+
 # start_server NAME PORT: in a session of its own, so stopping it reaches every process it spawned.
 start_server() {
-  local log=$OUT/$1-server.log
+  local log
+  log=$(server_log "$1")
   case $1 in
     vllm)  # vllm_env() of contrib/vllm/tests/vllm_helpers.py, multiprocessing left on (vLLM's default);
       # 0.32 logs no requests unless --enable-log-requests, so there is no --disable-log-requests.
@@ -136,8 +140,8 @@ wait_ready() {
   local t0=$SECONDS
   until curl -sf "http://127.0.0.1:$2/v1/models" >/dev/null; do
     if ! kill -0 "$SERVER_PID" 2>/dev/null || ((SECONDS - t0 > HEALTH_TIMEOUT)); then
-      echo "!! $1 did not come up (exited, or no answer in ${HEALTH_TIMEOUT}s); $OUT/$1-server.log ends:" >&2
-      tail -n 40 "$OUT/$1-server.log" >&2
+      echo "!! $1 did not come up (exited, or no answer in ${HEALTH_TIMEOUT}s); $(server_log "$1") ends:" >&2
+      tail -n 40 "$(server_log "$1")" >&2
       return 1
     fi
     sleep 2
