@@ -49,10 +49,14 @@ class PluginSpec(BaseModel):
         return dict(self.model_extra or {})
 
 
-class SchedulerConfig(BaseModel):
-    """One policy per extension point, or ``name`` naming a whole-scheduler replacement."""
+class _Strict(BaseModel):
+    """Unknown keys fail, values are not coerced ("5" is not 5), and a config never changes once made."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class SchedulerConfig(_Strict):
+    """One policy per extension point, or ``name`` naming a whole-scheduler replacement."""
 
     queue: PluginSpec = PluginSpec(name="fcfs")
     budget: PluginSpec = PluginSpec(name="token-budget")
@@ -75,31 +79,21 @@ class SchedulerConfig(BaseModel):
         return data
 
 
-class KVCacheConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
+class KVCacheConfig(_Strict):
     block_size: PositiveInt = 16
-    num_blocks: PositiveInt | None = Field(None, description="None: as many as max_memory_mb holds.")
-    max_memory_mb: float = Field(
-        1024.0, gt=0, description="Budget for the device KV pool when num_blocks is None."
-    )
-    num_host_blocks: int | None = Field(
-        None, ge=0, description="Host blocks for swap preemption; None: as many as the device pool."
-    )
-    prefix_caching: StrictBool = Field(
-        True,
-        description="Reuse the KV of full blocks whose prefix another request already computed; "
-        "freed cached blocks stay findable until their space is needed.",
-    )
+    num_blocks: PositiveInt | None = None  # None: as many as max_memory_mb holds
+    max_memory_mb: float = Field(1024.0, gt=0)  # the device KV pool's budget when num_blocks is None
+    num_host_blocks: int | None = Field(None, ge=0)  # host blocks for swap preemption; None: as many as the device pool
+    # Reuse the KV of full blocks whose prefix another request already computed; freed cached blocks stay
+    # findable until their space is needed.
+    prefix_caching: StrictBool = True
 
 
-class ModelConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-    path: str | None = Field(None, description="HF model directory or hub id; None: the embedded default.")
+class ModelConfig(_Strict):
+    path: str | None = None  # HF model directory or hub id; None: the embedded default
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "float32"
     device: str = "cpu"
-    max_model_len: PositiveInt | None = Field(None, description="None: the model's max_position_embeddings.")
+    max_model_len: PositiveInt | None = None  # None: the model's max_position_embeddings
     trust_remote_code: bool = False
 
 
@@ -108,51 +102,37 @@ class ServeConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    max_waiting: PositiveInt | None = Field(
-        1024, description="Requests queued but not running beyond which new ones get 503; None: no limit."
-    )
-    retry_after_s: PositiveInt = Field(1, description="The Retry-After header of a 503.")
-    shutdown_grace_s: float = Field(
-        30.0, ge=0, description="On SIGTERM/SIGINT, how long in-flight requests may run before being aborted."
-    )
-    protect_metrics: bool = Field(False, description="Require the API key on /health and /metrics too.")
-    max_body_bytes: PositiveInt | None = Field(
-        None,
-        description="Largest request body, enforced while it is read (413 beyond); "
-        "None: max(1 MiB, 32 bytes per token of the model's context).",
-    )
-    header_timeout_s: float = Field(
-        10.0, gt=0, description="A connection must complete each request's headers within this many seconds."
-    )
-    body_timeout_s: float = Field(30.0, gt=0, description="A request's whole body must arrive within this many seconds.")
-    tokenizer_threads: PositiveInt = Field(
-        2, description="Threads that tokenise prompts and render chat templates, off the HTTP event loop."
-    )
+    max_waiting: PositiveInt | None = 1024  # queued, not running, beyond which new requests get 503; None: no limit
+    retry_after_s: PositiveInt = 1  # the Retry-After header of a 503
+    shutdown_grace_s: float = Field(30.0, ge=0)  # on SIGTERM/SIGINT, how long in-flight requests may still run
+    protect_metrics: bool = False  # require the API key on /health and /metrics too
+    # The largest request body, enforced while it is read (413 beyond); None: max(1 MiB, 32 bytes per
+    # token of the model's context).
+    max_body_bytes: PositiveInt | None = None
+    header_timeout_s: float = Field(10.0, gt=0)  # for each request's headers to arrive
+    body_timeout_s: float = Field(30.0, gt=0)  # for a request's whole body to arrive
+    tokenizer_threads: PositiveInt = 2  # tokenise prompts and render chat templates off the HTTP event loop
 
 
 class ExecutionConfig(BaseModel):
-    """How the runner drives the model's kernels (numbers stay the same, speed changes)."""
+    """How the runner drives the model's kernels (numbers stay the same, speed changes).
+
+    ``forward``: which code runs the model in engine steps: ``fused`` (cbcore's own forward for the
+    Llama family: Llama, Mistral, Qwen2), ``hf`` (transformers' modules, any supported model), or
+    ``auto``: fused where the model is of its family, else hf. ``linear``: how the fused forward's
+    linear layers multiply: ``onednn`` (weights packed once for oneDNN; CPU float32, bfloat16 where
+    the CPU has bf16; as much memory again as the linear weights), ``standard`` (``F.linear``), or
+    ``auto``: onednn where it can run, else standard. HF's modules multiply with ``F.linear``.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    forward: Literal["auto", "fused", "hf"] = Field(
-        "auto",
-        description="Which code runs the model in engine steps: fused (cbcore's own forward for the Llama "
-        "family: Llama, Mistral, Qwen2), hf (transformers' modules, any supported model), or auto (the "
-        "default): fused where the model is of its family, else hf.",
-    )
-    linear: Literal["auto", "onednn", "standard"] = Field(
-        "auto",
-        description="How the fused forward's linear layers multiply: onednn (weights packed once for "
-        "oneDNN; CPU float32, bfloat16 where the CPU has bf16; as much memory again as the linear weights), "
-        "standard (F.linear), or auto (the default): onednn where it can run, else standard. HF's modules "
-        "multiply with F.linear.",
-    )
+    forward: Literal["auto", "fused", "hf"] = "auto"
+    linear: Literal["auto", "onednn", "standard"] = "auto"
 
 
-class EngineConfig(BaseModel):
+class EngineConfig(_Strict):
     # Strict everywhere (plugin params too, see plugins.py): "5" is not 5, "yes" is not True.
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     scheduler: SchedulerConfig = SchedulerConfig()
     backend: PluginSpec = PluginSpec(name="sdpa")
@@ -163,9 +143,7 @@ class EngineConfig(BaseModel):
     model: ModelConfig = ModelConfig()
     serve: ServeConfig = ServeConfig()
     execution: ExecutionConfig = ExecutionConfig()
-    plugins: list[str] = Field(
-        default_factory=list, description="Modules or .py files that implement cbcore hooks."
-    )
+    plugins: list[str] = Field(default_factory=list)  # modules or .py files that implement cbcore hooks
 
     @model_validator(mode="after")
     def _check_plugins(self) -> EngineConfig:

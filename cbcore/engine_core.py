@@ -232,9 +232,7 @@ class EngineCore:
             if (named := tx.undo(exc)) is exc:
                 raise
             raise named from exc
-        for seq in out.failed:
-            self._live.pop(seq.request_id, None)
-        outputs[:0] = [RequestOutput.of(seq, [], self._text(seq)) for seq in out.failed]
+        outputs[:0] = self._outputs({}, out.failed)  # refused while planning
         stats = StepStats(
             step=self.step_totals.steps + 1,
             num_seqs=len(out.scheduled),

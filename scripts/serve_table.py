@@ -75,6 +75,11 @@ def row(label: str, streams: str, paths: list[Path]) -> tuple[list[str], list[st
 
 
 def main(args: list[str]) -> None:
+    usage = __doc__.split("\n\n")[1].split("\n")[0]
+    for arg in args:  # all of them checked before the table starts
+        name, _, paths = arg.partition("=")
+        if not name.partition(":")[2] or not all(paths.split(",")):
+            sys.exit(f"serve_table.py: {arg!r} is not SERVER:STREAMS=REPORT.json[,...]\n{usage}")
     print("| " + " | ".join(COLUMNS) + " |")
     print("|" + "---|" * 2 + "---:|" * (len(COLUMNS) - 2))
     notes = []

@@ -104,14 +104,10 @@ class RequestFields(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    priority: Priority = Field(0, description="Smaller is served first by 'priority'.")
-    client_id: ClientId = Field("default", description="Tenant, for fair share.")
-    deadline_s: DeadlineS = Field(
-        None, description="Seconds after arrival by which the request should be done (met: e2e <= deadline_s)."
-    )
-    attrs: Attrs = Field(
-        default_factory=lambda: EMPTY_ATTRS, description="Free-form JSON attributes policies may read (stored read-only)."
-    )
+    priority: Priority = 0  # smaller is served first by 'priority'
+    client_id: ClientId = "default"  # the tenant, for fair share
+    deadline_s: DeadlineS = None  # seconds after arrival by which it should be done (met: e2e <= deadline_s)
+    attrs: Attrs = Field(default_factory=lambda: EMPTY_ATTRS)  # free-form JSON policies may read (read-only)
 
 
 def field_problems(exc: ValidationError) -> str:
