@@ -132,8 +132,7 @@ class ExecutionConfig(BaseModel):
 
 
 class EngineConfig(_Strict):
-    # Strict everywhere (plugin params too, see plugins.py): "5" is not 5, "yes" is not True.
-
+    # Strict everywhere, plugin params too (see plugins.py): "5" is not 5, "yes" is not True.
     scheduler: SchedulerConfig = SchedulerConfig()
     backend: PluginSpec = PluginSpec(name="sdpa")
     # Which replica serves a request when several engines share the load (`cb serve --replicas`,
