@@ -76,17 +76,18 @@ def row(label: str, streams: str, paths: list[Path]) -> tuple[list[str], list[st
 
 def main(args: list[str]) -> None:
     usage = __doc__.split("\n\n")[1].split("\n")[0]
-    for arg in args:  # all of them checked before the table starts
-        name, _, paths = arg.partition("=")
-        if not name.partition(":")[2] or not all(paths.split(",")):
-            sys.exit(f"serve_table.py: {arg!r} is not SERVER:STREAMS=REPORT.json[,...]\n{usage}")
-    print("| " + " | ".join(COLUMNS) + " |")
-    print("|" + "---|" * 2 + "---:|" * (len(COLUMNS) - 2))
-    notes = []
+    rows = []  # every argument checked before the table starts
     for arg in args:
         name, _, paths = arg.partition("=")
         label, _, streams = name.partition(":")
-        cells, warnings = row(label, streams, [Path(p) for p in paths.split(",")])
+        if not streams or not all(paths.split(",")):
+            sys.exit(f"serve_table.py: {arg!r} is not SERVER:STREAMS=REPORT.json[,...]\n{usage}")
+        rows.append((label, streams, [Path(p) for p in paths.split(",")]))
+    print("| " + " | ".join(COLUMNS) + " |")
+    print("|" + "---|" * 2 + "---:|" * (len(COLUMNS) - 2))
+    notes = []
+    for label, streams, paths in rows:
+        cells, warnings = row(label, streams, paths)
         print("| " + " | ".join(cells) + " |")
         notes += [f"- {label} @ {cells[1]} streams, guidellm warned {w}" for w in warnings]
     if notes:
