@@ -11,6 +11,7 @@ import asyncio
 import itertools
 import json
 import time
+import urllib.error
 import urllib.request
 from collections import Counter
 from pathlib import Path
@@ -106,6 +107,12 @@ def test_two_replicas_answer_token_for_token_like_one_engine_and_take_turns(
     replicas = [r for _, r in placements()[-len(prompts) :]]
     assert len(set(replicas)) == 2
     assert all(a != b for a, b in itertools.pairwise(replicas))  # strictly alternating
+    # A call reaches one replica, so the ingress cannot empty every replica's prefix cache: it says so.
+    request = urllib.request.Request(f"{url}/reset_prefix_cache", method="POST")
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=30)
+    assert refused.value.code == 501
+    assert "--set kv_cache.prefix_caching=false" in json.loads(refused.value.read())["error"]["message"]
 
 
 def test_prefix_affinity_keeps_a_shared_prefix_on_one_replica(port: int, cb_tiny_model_dir: Path) -> None:

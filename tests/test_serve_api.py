@@ -233,6 +233,21 @@ def test_api_key_is_required_on_v1_only(tiny_server, model_name):
     assert httpx.get(tiny_server.url + "/metrics").status_code == 200
 
 
+def test_usage_counts_cached_prompt_tokens_and_the_cache_can_be_emptied(tiny_server, client, model_name):
+    prompt = list(range(400, 440))  # two full blocks of 16 the prefix cache can hold, then 8 tokens
+
+    def cached() -> int:
+        resp = client.completions.create(model=model_name, prompt=prompt, max_tokens=1)
+        return resp.usage.prompt_tokens_details.cached_tokens
+
+    assert cached() == 0 and cached() == 32
+    reset = tiny_server.url + "/reset_prefix_cache"
+    assert httpx.post(reset).status_code == 401  # a control endpoint: the API key, like /v1
+    r = httpx.post(reset, headers={"Authorization": f"Bearer {SERVE_KEY}"})
+    assert r.status_code == 200 and r.json()["success"] is True and r.json()["freed_blocks"] >= 2
+    assert cached() == 0
+
+
 BAD_COMPLETIONS = [
     ({"foo": 1}, "foo"),
     ({"temperature": "hot"}, "temperature"),

@@ -51,3 +51,20 @@ def test_the_http_driver_puts_each_field_where_the_server_reads_it() -> None:
     plain = BenchRequest("p", 0.0, 3, prompt_token_ids=(1, 2))
     assert server_dialect(None, Workload("w", (plain,))) == "openai"
     assert "priority" not in request_body("m", plain, [1, 2], "openai")
+
+
+def test_every_http_run_starts_with_the_servers_prefix_cache_empty(tiny_server) -> None:
+    """A server keeps its cache between runs: without emptying it, a repeat would find every prompt cached."""
+    from cbcore.bench.http_driver import run_http
+    from cbcore.bench.workload import BenchRequest, Workload
+
+    reqs = tuple(
+        BenchRequest(f"cold-{i}", 0.0, 2, prompt_token_ids=tuple(range(300 + 40 * i, 340 + 40 * i)), ignore_eos=True)
+        for i in range(3)
+    )
+    for _ in range(2):
+        run = run_http(tiny_server.url, "cold", Workload("cold", reqs), [r.prompt_token_ids for r in reqs],
+                       api_key=SERVE_KEY)  # fmt: skip
+        assert run.info["prefix_cache_kept"] is None
+        # 40 tokens: two full blocks of 16 the cache could hold, found in none of them
+        assert [(o.metrics.prefix_cache_queries, o.metrics.prefix_cache_hits) for o in run.outputs] == [(40, 0)] * 3

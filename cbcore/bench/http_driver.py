@@ -8,6 +8,8 @@ metrics, the reference check and the report are the benchmark's own: TTFT,
 ITL and e2e are what a client sees, wire and server included. The server is
 `cb serve` or vLLM (``/v1/models`` says which: the per-request fields go
 where each reads them, :func:`request_body`), so one trace compares both.
+Each run starts with the server's prefix cache emptied (:func:`empty_prefix_cache`), and the
+tokens each prompt found cached come back in its usage (``cached_tokens``: the row's prefix hit rate).
 """
 
 from __future__ import annotations
@@ -20,7 +22,10 @@ from typing import Any
 
 from cbcore.bench.driver import ProgressFactory, RunResult, no_progress
 from cbcore.bench.workload import BenchRequest, Workload, thaw
+from cbcore.log import get_logger
 from cbcore.outputs import RequestMetrics, RequestOutput
+
+log = get_logger(__name__)
 
 
 def run_http(
@@ -56,6 +61,7 @@ async def _run(
         dialect = server_dialect(models["data"][0].get("owned_by"), workload)
         warm = BenchRequest("warm-up", 0.0, 4, prompt_token_ids=tuple(token_ids[0][:8]), ignore_eos=True)
         await _one(http, model, warm, list(token_ids[0][:8]), time.perf_counter(), dialect)
+        kept = await empty_prefix_cache(http, url)
         bar = progress(n, name)
         start = time.perf_counter()
 
@@ -82,8 +88,33 @@ async def _run(
         bar.close()
     return RunResult(
         name=name, kind="cbcore", outputs=list(outputs), duration_s=duration,
-        info={"server": url, "dialect": dialect},
+        info={"server": url, "dialect": dialect, "prefix_cache_kept": kept},
     )
+
+
+async def empty_prefix_cache(http: Any, url: str) -> str | None:
+    """Empty the server's prefix cache; None, or why it is kept (the row says so).
+
+    Every run should start cold, as an in-process row's fresh engine does: a
+    server keeps its cache between runs (``--repeat``, a second row on the same
+    server, an earlier benchmark), and a run that finds its prompts cached
+    measures something else. vLLM serves the endpoint only in development mode
+    and refuses while blocks are held, so it is asked again for a while.
+    """
+    for _ in range(50):
+        resp = await http.post("/reset_prefix_cache")
+        if resp.status_code in (404, 405, 501):
+            why = f"POST /reset_prefix_cache: HTTP {resp.status_code}"
+            if resp.status_code != 501:
+                why += " (vLLM serves it with VLLM_SERVER_DEV_MODE=1)"
+            log.warning("the server's prefix cache is kept: a run may find earlier prompts cached", server=url, why=why)
+            return why
+        if resp.status_code != 200:
+            raise RuntimeError(f"{url}: POST /reset_prefix_cache: HTTP {resp.status_code}: {resp.text[:300]}")
+        if resp.json().get("success", True):
+            return None
+        await asyncio.sleep(0.1)
+    raise RuntimeError(f"{url} refused to empty its prefix cache for 5 s (blocks still held by other clients?)")
 
 
 #: How each server family takes the per-request scheduling fields (OpenAI has only ``user``).
@@ -126,6 +157,7 @@ def request_body(model: str, req: BenchRequest, ids: list[int], dialect: str = "
         "temperature": 0.0,
         "ignore_eos": req.ignore_eos,
         "stream": True,
+        "stream_options": {"include_usage": True},  # its prompt_tokens_details: the tokens found cached
         "return_token_ids": True,
         "user": req.client_id,
     }
@@ -155,6 +187,7 @@ async def _one(
     times: list[float] = []
     finish: str | None = None
     error: str | None = None
+    cached: int | None = None  # None: the server does not say
     async with http.stream("POST", "/v1/completions", json=request_body(model, req, ids, dialect)) as resp:
         if resp.status_code != 200:
             error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:300]}"
@@ -167,6 +200,8 @@ async def _one(
                     error = chunk["error"].get("message", "error event")
                     break
                 now = time.perf_counter()
+                details = (chunk.get("usage") or {}).get("prompt_tokens_details") or {}
+                cached = details.get("cached_tokens", cached)
                 for choice in chunk["choices"]:
                     new = choice.get("token_ids") or []
                     tokens.extend(new)
@@ -184,6 +219,8 @@ async def _one(
         num_preemptions=0,
         prompt_len=len(ids),
         output_len=len(tokens),
+        prefix_cache_queries=0 if cached is None else len(ids),
+        prefix_cache_hits=cached or 0,
     )
     return RequestOutput(
         request_id=req.request_id,

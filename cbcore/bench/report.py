@@ -68,6 +68,11 @@ def table(result: BenchResult) -> str:
         *(fmt_line(b) for b in body),
     ]
     lines.extend(f"{r['name']}: FAILED: {r['error']}" for r in result.rows if "error" in r)
+    lines.extend(
+        f"{r['name']}: the server kept its prefix cache between runs ({r['prefix_cache_kept']})"
+        for r in ok
+        if r.get("prefix_cache_kept")
+    )
     lines.extend(ratio_lines(result.rows))
     peak = w.get("process_peak_rss_mb")
     if peak is not None:

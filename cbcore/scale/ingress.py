@@ -27,6 +27,7 @@ from cbcore.log import get_logger
 from cbcore.outputs import EngineLoad, RequestOutput
 from cbcore.scale.replica import Batch
 from cbcore.serve.engine_loop import Accepted, Failed, Handle, Observer, Submission
+from cbcore.serve.errors import ApiError
 
 log = get_logger(__name__)
 
@@ -48,12 +49,14 @@ class RemoteLoop:
         *,
         max_attempts: int = 3,
         route_timeout_s: float = 60.0,
+        prefix_caching: bool = True,
         observers: list[Observer] | None = None,
         abort_listeners: list[Callable[[str], None]] | None = None,
     ) -> None:
         self.replicas = replicas.options(stream=True, method_name="generate")
         self.max_attempts = max_attempts
         self.route_timeout_s = route_timeout_s
+        self.prefix_caching = prefix_caching  # the replicas' kv_cache.prefix_caching
         self.observers = observers or []
         self.abort_listeners = abort_listeners or []  # called with the reason of each abort that took effect
         self.draining = False
@@ -92,6 +95,16 @@ class RemoteLoop:
             task.cancel()  # cancels the replica call, which aborts the request in its engine
             for listener in self.abort_listeners:
                 listener(reason)
+
+    async def reset_prefix_cache(self) -> int:
+        """A deployment handle reaches one replica per call, so no call empties them all."""
+        if not self.prefix_caching:
+            return 0
+        raise ApiError(
+            501,
+            "POST /reset_prefix_cache: a server with replicas cannot empty each replica's prefix cache "
+            "(benchmark it with --set kv_cache.prefix_caching=false)",
+        )
 
     def begin_drain(self, grace_s: float) -> None:
         self.draining = True
@@ -207,6 +220,7 @@ class Ingress:
             replicas,
             max_attempts=max_attempts,
             route_timeout_s=route_timeout_s,
+            prefix_caching=cfg.kv_cache.prefix_caching,
             observers=[metrics.observe],
             abort_listeners=[metrics.finished],
         )

@@ -15,6 +15,7 @@ from cbcore.engine import Engine
 from cbcore.serve import errors
 from cbcore.serve.convert import Limits
 from cbcore.serve.engine_loop import EngineLoop
+from cbcore.serve.errors import ApiError
 from cbcore.serve.guard import RequestGuard
 from cbcore.serve.metrics import CONTENT_TYPE, ServerMetrics, policy_label
 from cbcore.serve.state import ServerState
@@ -66,6 +67,13 @@ def make_app(state: ServerState) -> FastAPI:
         if loop.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         return JSONResponse({"status": "ok"})
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> JSONResponse:
+        """vLLM's endpoint (its development mode): a benchmark's run must not find an earlier run's prompts cached."""
+        if not loop.alive:
+            raise ApiError(503, "the engine thread has stopped")
+        return JSONResponse({"success": True, "freed_blocks": await loop.reset_prefix_cache()})
 
     @app.get("/metrics")
     async def prometheus() -> Response:

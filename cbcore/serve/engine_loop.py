@@ -153,6 +153,14 @@ class EngineLoop:
         self._inbox.append(("abort", (request_id, reason)))
         self._wake.set()
 
+    async def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix no request holds, between two steps; returns how many blocks were freed."""
+        assert self._loop is not None and self.alive, "the engine thread is not running"
+        freed: asyncio.Future[int] = self._loop.create_future()
+        self._inbox.append(("reset", freed))
+        self._wake.set()
+        return await freed
+
     def begin_drain(self, grace_s: float) -> None:
         """Shutdown has begun: refuse new requests, abort what has not finished after ``grace_s``."""
         self.draining = True
@@ -205,6 +213,9 @@ class EngineLoop:
     def _take_inbox(self) -> None:
         while self._inbox:
             kind, item = self._inbox.popleft()
+            if kind == "reset":
+                self._answer(item, self.engine.reset_prefix_cache)
+                continue
             if kind == "abort":
                 request_id, reason = item
                 if self._handles.pop(request_id, None) is not None:
@@ -257,6 +268,15 @@ class EngineLoop:
             batch.append((handle, Failed(message, status)))
         self._handles.clear()
         self._post(batch)
+
+    def _answer(self, future: asyncio.Future[Any], call: Callable[[], Any]) -> None:
+        """Run ``call`` here and settle ``future`` on the event loop with its result or its exception."""
+        try:
+            result, settle = call(), future.set_result
+        except Exception as exc:
+            result, settle = exc, future.set_exception
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(lambda: future.done() or settle(result))
 
     def _post(self, batch: list[tuple[Handle, Event]]) -> None:
         if batch and self._loop is not None and not self._loop.is_closed():

@@ -5,8 +5,8 @@ and parses a route's body before its dependencies run: a key checked there
 lets anyone make the server read, hold and parse a body of any size. Here,
 in order and before anything else:
 
-1. ``/v1`` (and ``/health``, ``/metrics`` with ``protect_metrics``) need the
-   key: 401 from the headers alone, without reading a byte of the body.
+1. ``/v1`` and ``/reset_prefix_cache`` (and ``/health``, ``/metrics`` with
+   ``protect_metrics``) need the key: 401 from the headers alone, without reading a byte of the body.
 2. A ``Content-Length`` beyond ``max_body_bytes``: 413 at once, unread.
 3. The body is read with a running count (chunked bodies have no length up
    front): 413 the moment it passes the limit, 408 if it has not all
@@ -67,7 +67,7 @@ class RequestGuard:
         self.body_timeout_s = body_timeout_s
 
     def _needs_key(self, path: str) -> bool:
-        if path == "/v1" or path.startswith("/v1/"):
+        if path == "/v1" or path.startswith("/v1/") or path == "/reset_prefix_cache":
             return True
         return self.protect_metrics and path in ("/health", "/metrics")
 

@@ -65,10 +65,11 @@ class Run:
         self.prompt_ids = prompt_ids
         self.text = TextStream(state.tokenizer, body.stop)
         self.done = False
+        self.cached_tokens = 0
 
     @property
     def usage(self) -> Usage:
-        return Usage.of(len(self.prompt_ids), self.text.num_tokens)
+        return Usage.of(len(self.prompt_ids), self.text.num_tokens, self.cached_tokens)
 
     async def deltas(self) -> AsyncIterator[TextDelta]:
         while not self.done:
@@ -77,6 +78,8 @@ class Run:
                 self.done = True
                 raise RequestFailed(event)
             assert isinstance(event, RequestOutput)
+            if event.metrics is not None:  # counted over every admission (a recompute admits again): capped
+                self.cached_tokens = min(event.metrics.prefix_cache_hits, len(self.prompt_ids))
             if event.finished and event.finish_reason not in ("stop", "length"):
                 self.done = True
                 raise RequestFailed(Failed(event.error or f"the request ended: {event.finish_reason}", 500))

@@ -114,7 +114,7 @@ def test_cb_bench_drives_vllm_with_the_same_trace_and_fields(server: dict[str, A
     )  # fmt: skip
     workload = Workload("vllm-bench", reqs)
     run = run_http(f"http://127.0.0.1:{server['port']}", "vllm", workload, [r.prompt_token_ids for r in reqs])
-    assert run.info["dialect"] == "vllm"
+    assert run.info["dialect"] == "vllm" and run.info["prefix_cache_kept"] is None  # emptied (its development mode)
     assert [o.finish_reason for o in run.outputs] == ["length"] * 6
     assert all(len(o.output_token_ids) == 4 and o.metrics.ttft is not None for o in run.outputs)
     deadline = time.monotonic() + 30

@@ -46,6 +46,7 @@ def vllm_env() -> dict[str, str]:
         TRANSFORMERS_OFFLINE="1",
         VLLM_NO_USAGE_STATS="1",
         VLLM_HOST_IP="127.0.0.1",
+        VLLM_SERVER_DEV_MODE="1",  # POST /reset_prefix_cache, which `cb bench --server` calls before each run
     )
     if iomp.exists():
         env["LD_PRELOAD"] = str(iomp)
