@@ -121,7 +121,8 @@ class ExecutionConfig(BaseModel):
     Llama family: Llama, Mistral, Qwen2), ``hf`` (transformers' modules, any supported model), or
     ``auto``: fused where the model is of its family, else hf. ``linear``: how the fused forward's
     linear layers multiply: ``onednn`` (weights packed once for oneDNN; CPU float32, bfloat16 where
-    the CPU has bf16; as much memory again as the linear weights), ``standard`` (``F.linear``), or
+    the CPU has bf16; as much memory again as the linear weights; a float32 product of more than 256
+    rows, a prefill, still goes to ``F.linear``), ``standard`` (``F.linear``), or
     ``auto``: onednn where it can run, else standard. HF's modules multiply with ``F.linear``.
     """
 

@@ -9,11 +9,11 @@ import torch.nn.functional as F
 from cbcore import Engine, EngineConfig, SamplingParams
 from cbcore.models.packed_linear import (
     EXACT_ROWS,
+    PACKED_ROWS,
     PAD_STEP,
-    PIECE_ROWS,
     Product,
     onednn_refusal,
-    row_pieces,
+    padded_rows,
     small_gemm_refusal,
 )
 from cbcore.testing.tiny_models import random_prompts, tiny_model
@@ -77,26 +77,45 @@ def test_auto_packs_float32_weights_for_onednn():
 def test_any_row_count_reaches_onednn_as_one_of_few_shapes():
     """oneDNN caches a primitive per shape, megabytes each at a few hundred rows: a server seeing
     every row count must not grow one per count."""
-    counts = set()
-    for n in range(1, 5000):
-        pieces = row_pieces(n)
-        assert [a for a, _, _ in pieces] == [0] + [b for _, b, _ in pieces[:-1]]  # the pieces tile the rows
-        assert pieces[-1][1] == n
-        sizes = [b - a for a, b, _ in pieces]
-        assert sizes == sorted(sizes, reverse=True)  # largest first
-        assert len(pieces) <= n // PIECE_ROWS[0] + len(PIECE_ROWS)  # few products for any n
-        for a, b, padded in pieces:
-            assert b - a <= padded and (padded in PIECE_ROWS or padded - (b - a) < PAD_STEP)
-            assert padded == b - a or EXACT_ROWS < padded <= PIECE_ROWS[-1]  # whole pieces and the smallest unpadded
-            counts.add(padded)
-    smallest = PIECE_ROWS[-1]
-    assert len(counts) == EXACT_ROWS + (smallest - EXACT_ROWS) // PAD_STEP + len(PIECE_ROWS) - 1 == 49
+    counts = {padded_rows(n) for n in range(1, PACKED_ROWS + 1)}
+    assert all(n <= padded_rows(n) < n + PAD_STEP for n in range(1, PACKED_ROWS + 1))
+    assert all(padded_rows(n) == n for n in range(1, EXACT_ROWS + 1))
+    assert len(counts) == EXACT_ROWS + (PACKED_ROWS - EXACT_ROWS) // PAD_STEP == 46
+
+
+@needs_onednn
+def test_products_beyond_the_packed_rows_never_reach_onednn_as_one_shape(monkeypatch):
+    """Past PACKED_ROWS the BLAS multiplies float32, any row count, and bfloat16 goes in packed pieces:
+    no oneDNN primitive per prompt length."""
+    from cbcore.models import packed_linear
+
+    packs_bf16 = torch.bfloat16 in packed_linear._packable()
+    seen: list[int] = []
+    mkldnn = torch.ops.mkldnn
+
+    class Spy:
+        def __getattr__(self, name):
+            if name == "_linear_pointwise":
+                return lambda x, *rest: seen.append(len(x)) or mkldnn._linear_pointwise(x, *rest)
+            return getattr(mkldnn, name)
+
+    product = Product(torch.randn(48, 32), None, onednn=True)
+    bf16 = Product(torch.randn(48, 32, dtype=torch.bfloat16), None, onednn=True) if packs_bf16 else None
+    monkeypatch.setattr(packed_linear.torch.ops, "mkldnn", Spy(), raising=False)
+    for rows in (EXACT_ROWS + 1, PACKED_ROWS, PACKED_ROWS + 1, 1999):
+        assert product(torch.randn(rows, 32)).shape == (rows, 48)
+    assert seen == [padded_rows(EXACT_ROWS + 1), PACKED_ROWS]
+    if bf16 is not None:  # torch would give bfloat16's F.linear to oneDNN: pieces of the packed rows instead
+        seen.clear()
+        x = torch.randn(600, 32, dtype=torch.bfloat16)
+        assert torch.allclose(bf16(x).float(), F.linear(x.float(), bf16.weight.float()), atol=0.1, rtol=0.02)
+        assert seen == [PACKED_ROWS, PACKED_ROWS, padded_rows(600 - 2 * PACKED_ROWS)]
 
 
 @needs_onednn
 @pytest.mark.parametrize("rows", [1, 9, 128, 129, 256, 300, 520, 1800, 2050])
 @pytest.mark.parametrize("bias", [False, True])
-def test_padded_and_pieced_products_equal_the_plain_product(rows, bias):
+def test_padded_and_blas_products_equal_the_plain_product(rows, bias):
     torch.manual_seed(rows)
     weight, b = torch.randn(48, 32), (torch.randn(48) if bias else None)
     x = torch.randn(rows, 32)
@@ -141,27 +160,6 @@ def test_the_small_row_kernel_multiplies_like_torch_and_each_row_alone(n, k, wit
     alone = torch.cat([product(x[i : i + 1]) for i in range(EXACT_ROWS)])
     assert torch.equal(product(x), alone)
     assert small_gemm_refusal(weight.double()) is not None
-
-
-@needs_onednn
-def test_a_long_step_runs_row_by_row_in_the_pieces_and_gives_the_whole_steps_logits(monkeypatch):
-    """Everything but attention runs per row piece (no product's output joined): bit for bit what
-    multiplying the whole step at once gives, with a remainder piece and a second layer's residual."""
-    from cbcore.models import fused_decoder
-
-    model = tiny_model("llama")
-    prompts = random_prompts(2, 150, 151, seed=6)  # 300 rows: a 256-row piece and a 44-row remainder
-    assert len(fused_decoder.row_slices(300)) == 2 and model.config.num_hidden_layers > 1
-    logits = {}
-    for how in ("parts", "whole"):
-        if how == "whole":
-            monkeypatch.setattr(fused_decoder, "row_slices", lambda n: [slice(0, n)])
-        engine = Engine(model, config=_config(linear="onednn", forward="fused"))
-        run = engine.runner.forward
-        engine.runner.forward = lambda batch, run=run, how=how: logits.setdefault(how, run(batch))
-        engine.generate(prompts, SamplingParams(max_new_tokens=1))
-    assert logits["parts"].shape == (2, model.config.vocab_size)
-    assert torch.equal(logits["parts"], logits["whole"])
 
 
 def test_every_projection_and_the_head_become_views_of_one_buffer_with_their_values(monkeypatch):

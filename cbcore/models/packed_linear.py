@@ -23,14 +23,15 @@ oneDNN keeps a primitive (JIT code and scratch memory) per product shape,
 megabytes each at a few hundred rows (3.6 MiB at 600-700 rows times a
 576 x 1,536 weight, measured here): a server that saw every row count up to a
 thousand would grow by gigabytes, and a long run of a tiny model grew by
-27 MiB. So the row counts oneDNN sees stay few: up to :data:`EXACT_ROWS` as
-they are, more as whole pieces of :data:`PIECE_ROWS` rows (the largest that
-fit first: a 2,048-token prefill is one product) and a remainder padded to a
-multiple of :data:`PAD_STEP` (49 row counts per layer shape, whatever the
-workload). Smaller pieces would cost compute: a 16 x 128 prefill of the
-default model took 3.90 s in pieces of at most 256 rows against 3.52 in
-these (side by side, same process), for 54 MiB more resident memory once
-warm (2,345 MiB).
+27 MiB. So oneDNN sees few row counts: up to :data:`EXACT_ROWS` as they are,
+up to :data:`PACKED_ROWS` padded to a multiple of :data:`PAD_STEP` (46 row
+counts per layer shape, whatever the workload). Beyond that a float32 product
+has enough rows that MKL's own weight layout costs little beside the
+arithmetic, and ``F.linear`` multiplies any row count as one product with no
+primitive kept (bfloat16 goes on in pieces of :data:`PACKED_ROWS`: torch hands
+its ``F.linear`` to oneDNN): a 15 x 128 prefill of the default model (1,921 rows) took 0.90-0.95x
+the time it took as oneDNN pieces of 1,024 + 512 + 256 + 136 rows (three
+interleaved pairs of processes, 2-core Xeon with AVX-512).
 Every one of those row counts is multiplied once when the engine is built
 (:func:`warm`), so the primitives are made before the first request, not in
 the middle of serving, and the process's memory is flat from then on.
@@ -50,9 +51,10 @@ import torch.nn.functional as F
 from cbcore.execution import native
 from cbcore.execution.native import NativeKernel
 
-#: Row counts oneDNN multiplies as they are; whole pieces, largest first; the padding step below the smallest.
+#: Row counts oneDNN multiplies as they are; the most it multiplies (padded to PAD_STEP rows), beyond which
+#: ``F.linear`` does.
 EXACT_ROWS = 16
-PIECE_ROWS = (2048, 1024, 512, 256)
+PACKED_ROWS = 256
 PAD_STEP = 8
 #: The LM head multiplies only the sampling rows (one per sequence): warmed up to this many.
 HEAD_WARM_ROWS = 64
@@ -106,12 +108,21 @@ class Product:
         packed = self.packed
         if packed is None:
             return F.linear(x, self.weight, self.bias)
-        if len(x) <= EXACT_ROWS:  # a decode step: one unpadded product, no Python beyond it
+        rows = len(x)
+        if rows <= EXACT_ROWS:  # a decode step: one unpadded product, no Python beyond it
             if self.small:
                 return _small_gemm(x.contiguous(), self.weight, self.bias)
             return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
-        pieces = [_piece(x[a:b], padded, packed, self.bias) for a, b, padded in row_pieces(len(x))]
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        if rows > PACKED_ROWS:
+            if self.weight.dtype == torch.float32:  # MKL's sgemm: any row count, nothing kept per shape
+                return F.linear(x, self.weight, self.bias)
+            # torch hands bfloat16 products to oneDNN, which would keep a primitive per row count
+            return torch.cat([self(x[a : a + PACKED_ROWS]) for a in range(0, rows, PACKED_ROWS)])
+        padded = padded_rows(rows)
+        if padded != rows:
+            x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])
+        out = torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+        return out[:rows] if padded != rows else out
 
 
 def small_gemm_refusal(weight: torch.Tensor) -> str | None:
@@ -136,31 +147,9 @@ def _small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return out
 
 
-def row_pieces(n: int) -> list[tuple[int, int, int]]:
-    """``(start, stop, padded rows)`` per oneDNN product of ``n`` rows: few distinct row counts for any ``n``."""
-    pieces, start = [], 0
-    for size in PIECE_ROWS:
-        while n - start >= size:
-            pieces.append((start, start + size, size))
-            start += size
-    if start < n:
-        rows = n - start
-        pieces.append((start, n, rows if rows <= EXACT_ROWS else -(-rows // PAD_STEP) * PAD_STEP))
-    return pieces
-
-
-def row_slices(n: int) -> list[slice]:
-    """The row ranges of :func:`row_pieces`: row-wise work done per range multiplies each piece as it
-    is, and what one product would join back together (a copy of its whole output) is never joined."""
-    return [slice(a, b) for a, b, _ in row_pieces(n)] if n > EXACT_ROWS else [slice(0, n)]
-
-
-def _piece(rows: torch.Tensor, padded: int, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    n = len(rows)
-    if padded != n:
-        rows = torch.cat([rows, rows.new_zeros(padded - n, rows.shape[1])])
-    out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
-    return out[:n] if padded != n else out
+def padded_rows(rows: int) -> int:
+    """The row count oneDNN multiplies for ``rows`` (at most :data:`PACKED_ROWS`): few distinct ones."""
+    return rows if rows <= EXACT_ROWS else -(-rows // PAD_STEP) * PAD_STEP
 
 
 def warm(products: Iterable[Product], head: Product) -> tuple[int, float]:
@@ -169,7 +158,7 @@ def warm(products: Iterable[Product], head: Product) -> tuple[int, float]:
     Returns how many products ran and the seconds it took.
     """
     started = time.perf_counter()
-    counts = sorted({padded for n in range(1, PIECE_ROWS[0] + 1) for *_, padded in row_pieces(n)})
+    counts = sorted({padded_rows(n) for n in range(1, PACKED_ROWS + 1)})
     seen: set[tuple[int, int, bool, bool]] = set()
     done = 0
     with torch.no_grad():
