@@ -28,10 +28,11 @@ up to :data:`PACKED_ROWS` padded to a multiple of :data:`PAD_STEP` (46 row
 counts per layer shape, whatever the workload). Beyond that a float32 product
 has enough rows that MKL's own weight layout costs little beside the
 arithmetic, and ``F.linear`` multiplies any row count as one product with no
-primitive kept (bfloat16 goes on in pieces of :data:`PACKED_ROWS`: torch hands
-its ``F.linear`` to oneDNN): a 15 x 128 prefill of the default model (1,921 rows) took 0.90-0.95x
-the time it took as oneDNN pieces of 1,024 + 512 + 256 + 136 rows (three
-interleaved pairs of processes, 2-core Xeon with AVX-512).
+primitive kept: a 15 x 128 prefill of the default model (1,921 rows) took
+0.89-0.95x the time it took as oneDNN pieces of 1,024 + 512 + 256 + 136 rows
+(three interleaved pairs of processes, 2-core Xeon with AVX-512). bfloat16
+goes on in pieces of :data:`PACKED_ROWS`: torch hands its ``F.linear`` to
+oneDNN, which would keep a primitive per row count.
 Every one of those row counts is multiplied once when the engine is built
 (:func:`warm`), so the primitives are made before the first request, not in
 the middle of serving, and the process's memory is flat from then on.
