@@ -54,6 +54,15 @@ def test_top_k_one_and_tiny_top_p_are_argmax():
         assert tokens == argmax
 
 
+def test_greedy_takes_the_first_of_tied_maxima_as_hf_argmax_does():
+    logits = torch.zeros(4, 60)
+    logits[0, [9, 3, 41]] = 5.0
+    logits[2, [59, 58]] = 2.0
+    logits[3] = float("-inf")
+    tokens, _ = sample(logits, [_seq() for _ in range(4)])
+    assert tokens == logits.argmax(-1).tolist() == [3, 0, 58, 0]
+
+
 def test_top_k_never_samples_outside_the_k_best():
     logits = torch.randn(1, 50)
     allowed = set(logits[0].topk(5).indices.tolist())
