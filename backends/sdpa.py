@@ -5,7 +5,7 @@ result away (work O(T x K)). Here each sequence only meets its own keys:
 
 - decode rows (one query each), on the CPU in float32, read their keys and
   values straight out of the block pool through their block tables
-  (:mod:`cbcore.execution.paged_decode`, a small compiled kernel): nothing is
+  (:mod:`cbcore.kernels.paged_decode`, a small compiled kernel): nothing is
   copied, where the general path below copies every row's keys on every
   layer, which at 32 rows of 1,024 tokens costs more than the attention;
 - elsewhere (a GPU, half precision, ``decode: gather``) decode rows are
@@ -15,7 +15,7 @@ result away (work O(T x K)). Here each sequence only meets its own keys:
   never repeated and no ``T x K`` mask exists;
 - whole prompts (no prior context, no window cutting them), on the CPU in
   float32, all run in one call per layer of another small kernel
-  (:mod:`cbcore.execution.prompt_attention`), which reads the step's own keys
+  (:mod:`cbcore.kernels.prompt_attention`), which reads the step's own keys
   and values in place: SDPA's CPU kernel reaches a quarter of the machine's
   rate at 128 x 128 per head;
 - other prefill and chunk rows run one sequence at a time. A whole prompt
@@ -39,12 +39,12 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
-from cbcore.execution import paged_decode, prompt_attention
 from cbcore.execution.backend import Backend, BackendUnavailable
 from cbcore.execution.batch import FlatBatch
 from cbcore.execution.kv_cache import KVCache
-from cbcore.execution.paged_decode import PagedRows
-from cbcore.execution.prompt_attention import Prompts
+from cbcore.kernels import paged_decode, prompt_attention
+from cbcore.kernels.paged_decode import PagedRows
+from cbcore.kernels.prompt_attention import Prompts
 from cbcore.log import get_logger
 
 log = get_logger(__name__)

@@ -10,8 +10,8 @@ from attention_batches import packed_step
 
 from cbcore.backends.eager import EagerBackend
 from cbcore.backends.sdpa import SdpaBackend
-from cbcore.execution import paged_decode
 from cbcore.execution.backend import BackendUnavailable
+from cbcore.kernels import paged_decode
 
 SCALE = 0.125
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from attention_batches import packed_step, torch_threads
 
 from cbcore.backends.sdpa import SdpaBackend
-from cbcore.execution.prompt_attention import Prompts, prompt_attention
+from cbcore.kernels.prompt_attention import Prompts, prompt_attention
 
 SCALE = 0.125
 

@@ -15,7 +15,7 @@ from cbcore.execution.attention import AttentionContext, check_model_supported, 
 from cbcore.execution.backend import Backend
 from cbcore.execution.batch import FlatBatch, build_flat_batch
 from cbcore.execution.kv_cache import KVCache
-from cbcore.execution.native import hold_freed_memory
+from cbcore.kernels.native import hold_freed_memory
 from cbcore.log import get_logger
 from cbcore.models.fused_decoder import FusedDecoder, fused_refusal
 from cbcore.models.packed_linear import LinearKind, resolve_kind

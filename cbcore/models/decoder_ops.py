@@ -3,8 +3,8 @@
 At one decoding sequence of the default model a layer's products take about
 1 ms and its twenty-odd small torch ops about a quarter of that again, nearly
 all of it dispatch (measured: some 8 ms of a 44 ms step).
-``cbcore/execution/decoder_ops.c`` does each group in one pass (built and loaded like every cbcore kernel, see
-:mod:`cbcore.execution.native`): the residual add with the norm after it,
+``cbcore/kernels/decoder_ops.c`` does each group in one pass (built and loaded like every cbcore kernel, see
+:mod:`cbcore.kernels.native`): the residual add with the norm after it,
 rotary in place on the joined q/k/v product, silu times up. The sums run in
 another order than torch's (the norm's mean of squares), so the logits differ
 from HF's modules in the last bits, as any change of batch shape makes them;
@@ -22,8 +22,8 @@ import torch
 from torch import nn
 from transformers.activations import SiLUActivation
 
-from cbcore.execution import native
-from cbcore.execution.native import NativeKernel
+from cbcore.kernels import native
+from cbcore.kernels.native import NativeKernel
 
 _P, _I, _F, _T = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 SOURCE = Path(native.__file__).with_name("decoder_ops.c")

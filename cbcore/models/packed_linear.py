@@ -49,8 +49,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from cbcore.execution import native
-from cbcore.execution.native import NativeKernel
+from cbcore.kernels import native
+from cbcore.kernels.native import NativeKernel
 
 #: Row counts oneDNN multiplies as they are; the most it multiplies (padded to PAD_STEP rows), beyond which
 #: ``F.linear`` does.

@@ -23,7 +23,7 @@ import torch
 from cbcore.config import EngineConfig
 from cbcore.engine import Engine
 from cbcore.engine_core import Executor, StepRecord
-from cbcore.execution.native import hardware_name
+from cbcore.kernels.native import hardware_name
 from cbcore.log import get_logger
 from cbcore.scheduling.plan import Sampled, StepPlan
 from cbcore.scheduling.sampling_params import SamplingParams

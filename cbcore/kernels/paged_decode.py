@@ -5,7 +5,7 @@ out of the block pool into a right-padded tensor on every layer, then run
 SDPA over the copy: at 32 rows of 1,024 tokens that copy alone is most of
 the attention's time. ``paged_decode.c`` reads the pool in place through the
 block tables instead (one pass over the keys, one over the values). It is
-built and loaded by :mod:`cbcore.execution.native`; where it cannot be,
+built and loaded by :mod:`cbcore.kernels.native`; where it cannot be,
 :func:`unavailable_reason` says why, and the backend decides (see
 ``backends/sdpa.py``).
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from cbcore.execution.native import KernelUnavailable, NativeKernel
+from cbcore.kernels.native import KernelUnavailable, NativeKernel
 
 __all__ = ["KernelUnavailable", "PagedRows", "paged_decode", "unavailable_reason"]
 

@@ -5,7 +5,7 @@ reaches about a quarter of this machine's float32 rate: a 16 x 128 prefill of
 the default model spent 199-255 ms of 2.3 s in it. ``prompt_attention.c``
 scores each KV head's query heads together and sums each value row once
 for all of them, on the step's own q/k/v (nothing is copied). It is built
-and loaded like every cbcore kernel (:mod:`cbcore.execution.native`); the
+and loaded like every cbcore kernel (:mod:`cbcore.kernels.native`); the
 ``sdpa`` backend runs it wherever it runs the paged decode.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from cbcore.execution.native import NativeKernel
+from cbcore.kernels.native import NativeKernel
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 KERNEL = NativeKernel(
