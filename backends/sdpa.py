@@ -32,8 +32,7 @@ and cached in ``batch.scratch``; every layer only gathers its own K/V.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -62,24 +61,21 @@ class SdpaParams(BaseModel):
     )
 
 
-@dataclass(frozen=True)
-class GatheredRows:
+class GatheredRows(NamedTuple):
     """Decode rows' keys as SDPA wants them: copied out of the pool, right-padded."""
 
     slots: torch.Tensor  # [B, L] cache slots of each row's visible keys, right-padded
     mask: torch.Tensor | None  # [B, 1, 1, L] additive key-padding mask; None: no padding
 
 
-@dataclass(frozen=True)
-class DecodePlan:
+class DecodePlan(NamedTuple):
     """All single-token rows of a step, batched."""
 
     rows: torch.Tensor | None  # [B] rows of T (None: every row, in order)
     keys: GatheredRows | PagedRows
 
 
-@dataclass(frozen=True)
-class SpanPlan:
+class SpanPlan(NamedTuple):
     """One sequence running several query tokens this step (a prompt or a chunk of one)."""
 
     q_start: int  # its rows in T: [q_start, q_end)
@@ -89,8 +85,7 @@ class SpanPlan:
     mask: torch.Tensor | None  # [q, n_keys] additive; None: square causal (is_causal=True)
 
 
-@dataclass(frozen=True)
-class SdpaPlan:
+class SdpaPlan(NamedTuple):
     decode: DecodePlan | None
     spans: list[SpanPlan]
     prompts: Prompts | None = None  # whole prompts for the CPU kernel (paged plans only)
@@ -120,21 +115,21 @@ def build_decode_plan(
     device = batch.device
     ranges = [visible_key_range(batch.context_lens[i], 1, sliding_window) for i in seq_ids]
     starts, counts = [lo for lo, _ in ranges], [hi - lo for lo, hi in ranges]
+    start, count = (torch.tensor(x, dtype=torch.long, device=device) for x in (starts, counts))
     rows = None
     if len(seq_ids) != batch.num_seqs:
         rows = batch.cu_seqlens_q.long()[torch.tensor(seq_ids, device=device)]
-    if paged:
+    if paged:  # the CPU kernels (start and count are on the CPU too)
         tables = batch.block_tables if rows is None else batch.block_tables[torch.tensor(seq_ids)]
-        start, count = torch.tensor(starts, dtype=torch.long), torch.tensor(counts, dtype=torch.long)
         return DecodePlan(rows, PagedRows(tables.contiguous(), start, count, batch.block_size))
     # Gathered: right-padded key slots per row, and the padding mask if lengths differ. The mask is
     # additive and already in the query dtype: SDPA would convert a boolean mask on every call, this
     # one is built once and used by every layer.
     width = max(counts)
     offsets = torch.arange(width, device=device)[None, :]
-    valid = offsets < torch.tensor(counts, device=device)[:, None]
+    valid = offsets < count[:, None]
     # Padding reuses the row's first key: a real slot, masked out below.
-    positions = torch.tensor(starts, device=device)[:, None] + torch.where(valid, offsets, 0)
+    positions = start[:, None] + torch.where(valid, offsets, 0)
     tables = batch.block_tables.long()[torch.tensor(seq_ids, device=device)]
     mask = _additive(valid, dtype)[:, None, None, :] if min(counts) != width else None
     return DecodePlan(rows, GatheredRows(_slots(tables, positions, batch.block_size), mask))
@@ -144,16 +139,13 @@ def build_span_plan(
     batch: FlatBatch, i: int, q_start: int, sliding_window: int | None, dtype: torch.dtype
 ) -> SpanPlan:
     """Sequence ``i`` running several queries: which keys to read, and a mask unless plain causal."""
-    device = batch.device
     q_len, ctx = batch.query_lens[i], batch.context_lens[i]
-    first_query = ctx - q_len
-    lo, hi = visible_key_range(ctx, q_len, sliding_window)
-    fresh = first_query == 0
+    fresh = ctx == q_len
     if fresh and (sliding_window is None or sliding_window >= ctx):  # a whole prompt, no window: is_causal
         return SpanPlan(q_start, q_start + q_len, fresh, None, None)
-    k_pos = torch.arange(lo, hi, device=device)
+    k_pos = torch.arange(*visible_key_range(ctx, q_len, sliding_window), device=batch.device)
     slots = None if fresh else _slots(batch.block_tables.long()[i], k_pos, batch.block_size)
-    q_pos = torch.arange(first_query, ctx, device=device)[:, None]
+    q_pos = torch.arange(ctx - q_len, ctx, device=batch.device)[:, None]
     allowed = k_pos <= q_pos
     if sliding_window is not None:
         allowed &= q_pos - k_pos < sliding_window
@@ -194,15 +186,13 @@ class SdpaBackend(Backend):
         return "decode paged" if self._paged else "decode gather"
 
     def _use_paged_kernel(self, device: torch.device, dtype: torch.dtype) -> bool:
-        mode = self.params.decode
-        if mode == "gather":
-            return False
-        if device.type != "cpu" or dtype != torch.float32:
-            if mode == "paged":
-                raise BackendUnavailable(
-                    f"backend 'sdpa' with decode='paged' runs on the CPU in float32, the model is {dtype} on "
-                    f"{device}; use decode='auto' or 'gather'"
-                )
+        mode, cpu_float32 = self.params.decode, device.type == "cpu" and dtype == torch.float32
+        if mode == "paged" and not cpu_float32:
+            raise BackendUnavailable(
+                f"backend 'sdpa' with decode='paged' runs on the CPU in float32, the model is {dtype} on "
+                f"{device}; use decode='auto' or 'gather'"
+            )
+        if mode == "gather" or not cpu_float32:
             return False
         if (reason := paged_decode.unavailable_reason() or prompt_attention.unavailable_reason()) is None:
             return True
@@ -246,8 +236,7 @@ class SdpaBackend(Backend):
     @staticmethod
     def plan(batch: FlatBatch, sliding_window: int | None, dtype: torch.dtype, paged: bool) -> SdpaPlan:
         key = ("sdpa", sliding_window, dtype, paged)
-        plan = batch.scratch.get(key)
-        if plan is None:
+        if (plan := batch.scratch.get(key)) is None:
             plan = batch.scratch[key] = build_plan(batch, sliding_window, dtype, paged)
         return plan
 

@@ -72,11 +72,8 @@ class SchedulerConfig(_Strict):
         """A slot given only parameters (``--set scheduler.prefill.chunk_size=32``) keeps its default policy."""
         if not isinstance(data, dict):
             return data
-        data = dict(data)
-        for slot in SLOTS:
-            if isinstance(value := data.get(slot), dict):
-                data[slot] = {"name": cls.model_fields[slot].default.name} | value
-        return data
+        given = {slot: v for slot in SLOTS if isinstance(v := data.get(slot), dict)}
+        return data | {slot: {"name": cls.model_fields[slot].default.name} | v for slot, v in given.items()}
 
 
 class KVCacheConfig(_Strict):
@@ -178,8 +175,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         text = path.read_text()
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
-    parse = _PARSERS.get(path.suffix)
-    if parse is None:
+    if (parse := _PARSERS.get(path.suffix)) is None:
         raise ConfigError(f"config file {path}: unknown suffix {path.suffix!r} (use .yaml, .toml or .json)")
     try:
         data = parse(text)
@@ -207,8 +203,7 @@ def _slots(data: dict[str, Any]) -> list[dict[str, Any]]:
     for parent, key in places:
         if isinstance(parent.get(key), str):  # the `queue: fcfs` shorthand
             parent[key] = {"name": parent[key]}
-    found = [parent.get(key) for parent, key in places] + [sched]
-    return [s for s in found if isinstance(s, dict)]
+    return [s for s in [*(parent.get(key) for parent, key in places), sched] if isinstance(s, dict)]
 
 
 def _relative_to(base: Path, ref: Any) -> Any:

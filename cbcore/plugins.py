@@ -136,8 +136,7 @@ class Registry:
     def get(self, kind: str, name: str) -> Registered:
         if ":" in name:
             cls = load_class(name)
-            found_kind, _ = _identity(cls, f"path {name}")
-            if found_kind != kind:
+            if (found_kind := _identity(cls, f"path {name}")[0]) != kind:
                 raise PluginError(f"{name} is a {found_kind} plugin, not a {kind} plugin")
             return Registered(cls, kind, getattr(cls, "name", name), f"path {name}")
         if (kind, name) in self._entries:

@@ -93,10 +93,9 @@ def check_model_supported(model: PreTrainedModel) -> None:
 @contextlib.contextmanager
 def routed_to_cbcore(model: PreTrainedModel) -> Iterator[None]:
     """Route the model's attention to cbcore for one forward, then restore it."""
-    config = model.config
-    previous = config._attn_implementation_internal
-    config._attn_implementation_internal = IMPLEMENTATION
+    previous = model.config._attn_implementation_internal
+    model.config._attn_implementation_internal = IMPLEMENTATION
     try:
         yield
     finally:
-        config._attn_implementation_internal = previous
+        model.config._attn_implementation_internal = previous

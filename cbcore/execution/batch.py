@@ -84,19 +84,19 @@ def build_flat_batch(
     starts = [start for _, start, _ in chunks]
     context_lens = [s + q for s, q in zip(starts, query_lens, strict=True)]
     flat_ids = list(itertools.chain.from_iterable(ids for ids, _, _ in chunks))
-    num_seqs = len(chunks)
 
     q_lens = torch.tensor(query_lens, dtype=torch.int32)
     cu_q = F.pad(q_lens.cumsum(0, dtype=torch.int32), (1, 0))
     cu_k = F.pad(torch.tensor(context_lens).cumsum(0, dtype=torch.int32), (1, 0))
 
-    tables = [table for _, _, table in chunks]
-    width = max([1, *(len(t) for t in tables)])
-    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32).view(num_seqs, width)
+    width = max([1, *(len(t) for _, _, t in chunks)])
+    padded = [t + [0] * (width - len(t)) for _, _, t in chunks]
+    block_tables = torch.tensor(padded, dtype=torch.int32).view(-1, width)
 
-    seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), q_lens.long())
-    offsets = torch.arange(len(flat_ids)) - cu_q.long()[seq_of_token]
-    positions = torch.tensor(starts, dtype=torch.long)[seq_of_token] + offsets
+    seq_of_token = torch.repeat_interleave(torch.arange(len(chunks)), q_lens.long())
+    # Row r of T, in sequence s, is position starts[s] + r - cu_q[s] of its sequence.
+    shift = torch.tensor(starts, dtype=torch.long) - cu_q[:-1]
+    positions = shift[seq_of_token] + torch.arange(len(flat_ids))
     blocks = block_tables.long()[seq_of_token, positions // block_size]
     slot_mapping = blocks * block_size + positions % block_size
     sample_rows = [i for i, s in enumerate(sample) if s]

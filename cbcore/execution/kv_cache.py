@@ -28,12 +28,10 @@ class KVCache:
     def __post_init__(self) -> None:
         self.device = torch.device(self.device)
         shape = (self.num_layers, self.num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
-        self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        host_shape = (self.num_layers, self.num_host_blocks * self.block_size, *shape[2:])
+        self.k, self.v = (torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(2))
+        host = (self.num_layers, self.num_host_blocks * self.block_size, *shape[2:])
         pin = self.device.type == "cuda"
-        self.host_k = torch.zeros(host_shape, dtype=self.dtype, pin_memory=pin)
-        self.host_v = torch.zeros(host_shape, dtype=self.dtype, pin_memory=pin)
+        self.host_k, self.host_v = (torch.zeros(host, dtype=self.dtype, pin_memory=pin) for _ in range(2))
 
     @property
     def nbytes(self) -> int:
@@ -53,10 +51,6 @@ class KVCache:
         shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         return self.k[layer].view(shape), self.v[layer].view(shape)
 
-    def _slots(self, blocks: list[int]) -> torch.Tensor:
-        b = torch.tensor(blocks, dtype=torch.long)
-        return (b[:, None] * self.block_size + torch.arange(self.block_size)).reshape(-1)
-
     def copy_out(self, pairs: list[tuple[int, int]]) -> None:
         """Device block -> host block, for every layer at once."""
         self._copy(pairs, (self.k, self.v), (self.host_k, self.host_v))
@@ -67,6 +61,7 @@ class KVCache:
 
     def _copy(self, pairs: list[tuple[int, int]], sources: tuple, targets: tuple) -> None:
         if pairs:
-            src, dst = (self._slots(list(blocks)) for blocks in zip(*pairs, strict=True))
+            blocks = torch.tensor(pairs, dtype=torch.long).T[:, :, None]  # [2, n, 1]: sources, targets
+            src, dst = (blocks * self.block_size + torch.arange(self.block_size)).flatten(1)  # their slots
             for source, target in zip(sources, targets, strict=True):
                 target[:, dst.to(target.device)] = source[:, src.to(source.device)].to(target.device)

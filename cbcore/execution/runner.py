@@ -47,9 +47,8 @@ class KVGeometry:
 def plan_num_blocks(cfg: KVCacheConfig, geometry: KVGeometry, dtype: torch.dtype) -> int:
     if cfg.num_blocks is not None:
         return cfg.num_blocks
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    per_block = 2 * geometry.num_layers * cfg.block_size * geometry.num_kv_heads * geometry.head_dim * itemsize
-    return max(1, math.floor(cfg.max_memory_mb * 2**20 / per_block))
+    per_block = 2 * geometry.num_layers * cfg.block_size * geometry.num_kv_heads * geometry.head_dim
+    return max(1, math.floor(cfg.max_memory_mb * 2**20 / (per_block * dtype.itemsize)))
 
 
 class ModelRunner:
@@ -64,7 +63,6 @@ class ModelRunner:
         self.backend = backend
         backend.check(self.device, block_size, self.dtype)
         g = self.geometry = KVGeometry.of(model)
-        self.block_size = block_size
         self.kv_cache = KVCache(
             g.num_layers, num_blocks, block_size, g.num_kv_heads, g.head_dim, self.dtype, self.device, num_host_blocks
         )
@@ -91,7 +89,7 @@ class ModelRunner:
     def prepare(self, plan: StepPlan) -> FlatBatch:
         chunks = [(row.token_ids, row.start, row.block_table) for row in plan.rows]
         sample = [row.params is not None for row in plan.rows]
-        return build_flat_batch(chunks, sample, self.block_size, self.device)
+        return build_flat_batch(chunks, sample, self.kv_cache.block_size, self.device)
 
     @torch.inference_mode()
     def forward(self, batch: FlatBatch) -> torch.Tensor:

@@ -36,8 +36,7 @@ def _sample_row(
 ) -> int:
     row = row / temperature
     if top_k and top_k < row.shape[-1]:
-        kth = torch.topk(row, top_k).values[-1]
-        row = row.masked_fill(row < kth, float("-inf"))
+        row = row.masked_fill(row < torch.topk(row, top_k).values[-1], float("-inf"))  # below the k-th best
     if top_p < 1.0:
         sorted_logits, order = torch.sort(row, descending=True)
         sorted_probs = torch.softmax(sorted_logits, dim=-1)
@@ -61,8 +60,7 @@ def sample_each(
     before the call), so each request's draws are the ones it would get alone.
     """
     try:
-        tokens, top = sample(logits, rows)
-        return tokens, top, [None] * len(rows)
+        return (*sample(logits, rows), [None] * len(rows))
     except Exception:
         for generator, state in rng_states:
             generator.set_state(state)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
+from itertools import takewhile
 
 from cbcore.scheduling.prefix_hash import BlockHash, extend_hashes
 from cbcore.scheduling.sequence import Sequence
@@ -170,13 +171,8 @@ class BlockManager:
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """The cached blocks of ``seq``'s leading full blocks, up to the first miss (never its last token)."""
         limit = (seq.num_tokens - 1) // self.block_size
-        blocks = []
-        for h in self._hashes(seq, limit)[:limit]:
-            block = self._by_hash.get(h)
-            if block is None:
-                break
-            blocks.append(block)
-        return blocks
+        found = map(self._by_hash.get, self._hashes(seq, limit)[:limit])
+        return list(takewhile(lambda block: block is not None, found))
 
     def lookup(self, seq: Sequence) -> int:
         """Tokens of ``seq`` the cache holds now, without taking them (also stored on the sequence).
@@ -226,11 +222,9 @@ class BlockManager:
         A block whose prefix another block already holds stays unregistered:
         it is freed normally and the first copy remains the one that is found.
         """
-        if not self.prefix_caching:
-            return
         full = seq.num_computed_tokens // self.block_size
         done = self._registered.get(seq, 0)
-        if full <= done:
+        if not self.prefix_caching or full <= done:
             return
         for block, h in zip(seq.block_table[done:full], self._hashes(seq, full)[done:full], strict=True):
             if self._hash_of[block] is None and h not in self._by_hash:
@@ -296,12 +290,11 @@ class BlockManager:
             for block in seq.block_table[seq.num_computed_tokens // self.block_size :]:
                 if hashed[block] is not None:  # registered by the failed step, past what now counts as computed
                     self._unregister(block)
-        evictable: OrderedDict[int, None] = OrderedDict((b, None) for b in self._evictable if not ref[b])
-        for block in range(self.num_blocks):
-            if not ref[block] and hashed[block] is not None and block not in evictable:
-                evictable[block] = None  # taken from the cache by the failed step: most recently used
-        self._evictable = evictable
-        self._free = [b for b in range(self.num_blocks - 1, -1, -1) if not ref[b] and hashed[b] is None]
+        self._evictable = OrderedDict.fromkeys(b for b in self._evictable if not ref[b])
+        # Taken from the cache by the failed step: most recently used (a key already there keeps its place).
+        unheld = [b for b in range(self.num_blocks) if not ref[b]]
+        self._evictable.update(dict.fromkeys(b for b in unheld if hashed[b] is not None))
+        self._free = [b for b in reversed(unheld) if hashed[b] is None]
         held = set(live)
         self._registered = {
             s: min(n, s.num_computed_tokens // self.block_size) for s, n in self._registered.items() if s in held

@@ -77,9 +77,7 @@ class PolicyScheduler:
                 self._keys[seq] = self.queue.key(seq, now)
             self.enqueue(seq)  # sorting by a key that does not compare raises here, not in a later step
         except Exception:
-            self._keys.pop(seq, None)
-            if seq in self.waiting:
-                self.waiting.remove(seq)
+            self._keys.pop(seq, None)  # enqueue() raises before it inserts: the queue never holds seq
             self.policies.unarrive(seq, now)
             raise
         self._by_id[seq.request_id] = seq
@@ -91,9 +89,8 @@ class PolicyScheduler:
         return self._by_id.get(request_id)
 
     def schedule(self) -> SchedulerOutput:
-        now = self.clock()
         self.step_index += 1
-        planner = StepPlanner(self, self.state(now))
+        planner = StepPlanner(self, self.state(self.clock()))
         out = planner.run()
         self.num_partial_prefills += len(planner.partials)
         return out
@@ -101,14 +98,13 @@ class PolicyScheduler:
     def snapshot(self) -> Callable[[], None]:
         """Capture the queues, keys and counters; the engine's step transaction restores the sequences."""
         lists = (list(self.waiting), list(self.running), list(self.swapped))
-        keys = dict(self._keys) if self._keys else None
+        keys = dict(self._keys)  # only add() adds keys: an empty dict stays empty through a step
         counters = (self.step_index, self.num_preemptions, self.num_swap_fallbacks, self.num_partial_prefills)
 
         def restore() -> None:
             self.waiting, self.running, self.swapped = (list(x) for x in lists)
             self._by_id = {s.request_id: s for q in lists for s in q}
-            if keys is not None:
-                self._keys = dict(keys)
+            self._keys = dict(keys)
             self.step_index, self.num_preemptions, self.num_swap_fallbacks, self.num_partial_prefills = counters
 
         return restore
@@ -158,8 +154,7 @@ class PolicyScheduler:
 
     def admitted(self, seq: Sequence, now: float) -> None:
         """``seq`` leaves the waiting queue to run; a queue that declared fixed keys is held to it."""
-        if self.queue.fixed_keys and self.queue.key(seq, now) != self._keys[seq]:
-            arrived, key = self._keys[seq], self.queue.key(seq, now)
+        if self.queue.fixed_keys and (key := self.queue.key(seq, now)) != (arrived := self._keys[seq]):
             detail = f"{seq.request_id!r} arrived with key {arrived!r}, now {key!r}"
             self.policies.error(self.queue, "with fixed_keys, key() never changes after arrival", detail, seq)
         self.waiting.remove(seq)

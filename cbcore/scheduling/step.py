@@ -195,18 +195,15 @@ def check_plan(out: SchedulerOutput, blocks: Any, culprit: str) -> tuple[StepPla
     try:
         for item in scheduled:
             seq, n = item.seq, item.num_tokens
-            start = seq.num_computed_tokens
+            start, tokens, table = seq.num_computed_tokens, seq.token_ids, seq.block_table
             end = start + n
-            tokens = seq.token_ids
-            ids, table = tokens[start:end], seq.block_table
+            ids = tokens[start:end]
             # The slice is n long only if n tokens are pending; n > 0; a slot for each; running.
             if not (len(ids) == n > 0 <= start and end <= len(table) * block_size and seq.status is running):
                 _diagnose(item, block_size, culprit)
-            if end == len(tokens):  # the row reaches the last token: it samples
-                sampled += 1
-                append(RowPlan(ids, start, table, seq.params, seq.generator))
-            else:
-                append(RowPlan(ids, start, table, None, None))
+            samples = end == len(tokens)  # the row reaches the last token: it samples
+            sampled += samples
+            append(RowPlan(ids, start, table, seq.params, seq.generator) if samples else RowPlan(ids, start, table))
             total += n
     except (AttributeError, TypeError) as exc:
         _fail(culprit, "each scheduled entry is a ScheduledSeq of a Sequence and an int", str(exc))
@@ -264,10 +261,7 @@ def named(exc: BaseException, names: Mapping[int, str], request_id: str | None =
     request to name when the traceback shows none. Only errors are named: a
     Ctrl-C or exit that lands while a policy runs is the caller's, not the policy's fault.
     """
-    if isinstance(exc, SchedulerError) or not isinstance(exc, Exception):
-        return exc
-    found = blame(exc, names)
-    if found is None:
+    if isinstance(exc, SchedulerError) or not isinstance(exc, Exception) or not (found := blame(exc, names)):
         return exc
     plugin, method, blamed = found
     rid = blamed or request_id
@@ -306,8 +300,6 @@ def blame(exc: BaseException, names: Mapping[int, str]) -> tuple[str, str, str |
 def _request_in(local: Mapping[str, object]) -> str | None:
     """A request a frame was looking at: a Sequence, or any SequenceView (another engine's, in cbcore_vllm)."""
     for value in local.values():
-        if isinstance(value, Sequence):
-            return value.request_id
         try:  # any object may sit in a frame: reading it must not raise while an error is being named
             rid = getattr(value, "request_id", None) if hasattr(value, "num_computed_tokens") else None
         except Exception:

@@ -159,9 +159,7 @@ class StepPlanner:
         if not sched.swapped:
             return
         just_evicted = set(self.out.preempted)
-        for seq in sched.in_queue_order(sched.swapped, self.now):
-            if seq in just_evicted:
-                continue
+        for seq in [s for s in sched.in_queue_order(sched.swapped, self.now) if s not in just_evicted]:
             if self.seqs_left <= 0 or self.tokens_left <= 0 or len(sched.running) >= self.max_seqs:
                 break
             n = self._tokens_for(seq)
@@ -206,10 +204,10 @@ class StepPlanner:
         fits = lambda: self.blocks.can_grow(seq, n)  # noqa: E731
         if not fits() and not self._evict_lower(seq, n, fits):
             alone = self.blocks.num_used_blocks == len(seq.block_table)  # alone in the cache, still too big
-            message = self._too_big(seq, n)
+            tokens = seq.num_computed_tokens + n  # before _return_cached() resets what the cache gave
             self._return_cached(seq)
             if alone:
-                self._fail(seq, message)
+                self._fail(seq, tokens)
             return alone
         self.blocks.record_lookup(seq, hit)
         self.sched.admitted(seq, self.now)
@@ -249,7 +247,7 @@ class StepPlanner:
         """Evict until ``seq`` can grow by ``n`` tokens; False if ``seq`` itself lost."""
         while not self.blocks.try_grow(seq, n):
             if self.blocks.num_used_blocks == len(seq.block_table):
-                self._fail(seq, self._too_big(seq, n))
+                self._fail(seq, seq.num_computed_tokens + n)
                 return False
             candidates = [s for s in self.sched.running if s not in self.tokens]
             victim = self.policies.victim(candidates, self.now) if len(candidates) > 1 else seq
@@ -266,15 +264,13 @@ class StepPlanner:
             self.seqs_left += 1
         self.sched.preempt(victim, self.out, self.now)
 
-    def _too_big(self, seq: Sequence, n: int) -> str:
-        need = self.blocks.blocks_for_tokens(seq.num_computed_tokens + n)
-        return (
-            f"request {seq.request_id!r} needs {need} KV blocks for {seq.num_computed_tokens + n} tokens "
-            f"but the cache has {self.blocks.num_blocks} blocks of {self.blocks.block_size}; "
-            "raise kv_cache.num_blocks or lower max_new_tokens"
+    def _fail(self, seq: Sequence, tokens: int) -> None:
+        """End ``seq`` with an error: ``tokens`` tokens of it need more KV blocks than the whole cache has."""
+        message = (
+            f"request {seq.request_id!r} needs {self.blocks.blocks_for_tokens(tokens)} KV blocks for {tokens}"
+            f" tokens but the cache has {self.blocks.num_blocks} blocks of {self.blocks.block_size}; raise"
+            " kv_cache.num_blocks or lower max_new_tokens"
         )
-
-    def _fail(self, seq: Sequence, message: str) -> None:
         self.sched.remove(seq)
         seq.finish(FinishReason.ERROR, self.now, message)
         self.out.failed.append(seq)
