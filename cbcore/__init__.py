@@ -26,7 +26,7 @@ _EXPORTS = {
         "cbcore.scheduling.request": ["RequestError"],
         # writing a policy
         "cbcore.scheduling.policy": [
-            "QueuePolicy", "BudgetPolicy", "PrefillPolicy", "PreemptionPolicy", "SequenceView", "KVView",
+            "QueuePolicy", "BudgetPolicy", "PrefillPolicy", "PreemptionPolicy", "SequenceView",
             "SchedulerState", "StepLimits", "StepResult",
         ],
         "cbcore.scheduling.scheduler": ["SchedulerError", "SchedulerStall"],
@@ -41,9 +41,14 @@ _EXPORTS = {
 __all__ = [*_EXPORTS, "__version__"]
 
 
+#: Names that left the public API, with what replaces them.
+_GONE = {"KVView": "state.kv is the KV cache's read-only view; annotate it as Any"}
+
+
 def __getattr__(name: str) -> Any:
     if name not in _EXPORTS:
-        raise AttributeError(f"module 'cbcore' has no attribute {name!r}")
+        hint = f": {_GONE[name]}" if name in _GONE else ""
+        raise AttributeError(f"module 'cbcore' has no attribute {name!r}{hint}")
     value = globals()[name] = getattr(importlib.import_module(_EXPORTS[name]), name)
     return value
 

@@ -56,12 +56,15 @@ class _Strict(BaseModel):
 
 
 class SchedulerConfig(_Strict):
-    """One policy per extension point, or ``name`` naming a whole-scheduler replacement."""
+    """One policy per extension point and the phase order, or ``name`` naming a whole-scheduler replacement."""
 
     queue: PluginSpec = PluginSpec(name="fcfs")
     budget: PluginSpec = PluginSpec(name="token-budget")
     prefill: PluginSpec = PluginSpec(name="chunked-prefill")
     preemption: PluginSpec = PluginSpec(name="recompute")
+    # decode-first: running sequences, then swapped ones, then admissions (Sarathi's stall-free order);
+    # prefill-first: admissions first, then running prefills before decodes, then swapped ones.
+    order: Literal["decode-first", "prefill-first"] = "decode-first"
     # A registered `scheduler`-kind plugin that replaces the composed scheduler.
     name: str | None = None
     params: dict[str, Any] = Field(default_factory=dict)
@@ -72,6 +75,8 @@ class SchedulerConfig(_Strict):
         """A slot given only parameters (``--set scheduler.prefill.chunk_size=32``) keeps its default policy."""
         if not isinstance(data, dict):
             return data
+        if isinstance(prefill := data.get("prefill"), dict) and "order" in prefill:
+            raise ValueError("scheduler.prefill.order is now scheduler.order (the phase order is the scheduler's)")
         given = {slot: v for slot in SLOTS if isinstance(v := data.get(slot), dict)}
         return data | {slot: {"name": cls.model_fields[slot].default.name} | v for slot, v in given.items()}
 

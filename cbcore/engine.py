@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -12,45 +11,10 @@ from transformers import PreTrainedModel
 
 from cbcore.config import EngineConfig
 from cbcore.engine_core import EngineCore, Prompt, RequestError, StepRecord, build_scheduler
-from cbcore.execution.batch import FlatBatch
 from cbcore.execution.runner import KVGeometry, ModelRunner, plan_num_blocks
-from cbcore.execution.sampler import sample_each
 from cbcore.plugins import get_registry
-from cbcore.scheduling.plan import Sampled, StepPlan
-from cbcore.scheduling.scheduler import SchedulerOutput
 
-__all__ = ["Engine", "ModelExecutor", "Prompt", "RequestError", "StepRecord"]
-
-
-@dataclass
-class _Prepared:
-    plan: StepPlan
-    batch: FlatBatch
-
-
-class ModelExecutor:
-    """Runs a plan on the model: swaps, packing, one forward, then sampling."""
-
-    def __init__(self, runner: ModelRunner) -> None:
-        self.runner = runner
-
-    def prepare(self, out: SchedulerOutput, plan: StepPlan) -> _Prepared:
-        self.runner.swap(plan)
-        return _Prepared(plan, self.runner.prepare(plan))
-
-    def batch_of(self, prepared: _Prepared) -> FlatBatch:
-        return prepared.batch
-
-    def forward(self, prepared: _Prepared) -> torch.Tensor:
-        logits = self.runner.forward(prepared.batch)
-        if logits.device.type == "cuda":
-            torch.cuda.synchronize()
-        return logits
-
-    def sample(self, prepared: _Prepared, logits: torch.Tensor, rng_states: list) -> Sampled:
-        rows = list(prepared.batch.sample_rows)
-        tokens, top, errors = sample_each(logits, [prepared.plan.rows[i] for i in rows], rng_states)
-        return Sampled(rows, list(tokens), list(top), errors)
+__all__ = ["Engine", "Prompt", "RequestError", "StepRecord"]
 
 
 class Engine(EngineCore):
@@ -93,7 +57,7 @@ class Engine(EngineCore):
             )
         super().__init__(
             config,
-            ModelExecutor(self.runner),
+            self.runner,
             scheduler,
             vocab_size=text_cfg.vocab_size,
             max_model_len=wanted or positions,

@@ -1,10 +1,11 @@
 """The model-free half of the engine: requests, the scheduler and the step loop.
 
-:class:`EngineCore` runs every step as plan -> run -> commit: the step
-transaction (:mod:`cbcore.scheduling.step`) asks the scheduler for a plan and
-checks it, an :class:`Executor` runs it, the transaction appends the sampled
-tokens and tells the scheduler, and the engine reports outputs and
-:class:`StepStats`. :class:`cbcore.engine.Engine` plugs in the model (runner +
+:class:`EngineCore` runs every step as plan -> run -> commit: the scheduler
+plans, the step transaction (:mod:`cbcore.scheduling.step`) checks the plan,
+an :class:`Executor` runs it, the transaction appends the sampled tokens, the
+scheduler is told, and the engine reports outputs and :class:`StepStats`. When
+a policy call fails about one request, the step is undone, that request ends
+with an error, and the step is planned again without it. :class:`cbcore.engine.Engine` plugs in the model (runner +
 sampler); the simulator (:mod:`cbcore.sim`) plugs in a cost model and a
 virtual clock. Both run the very same loop, so a policy behaves identically
 in either.
@@ -20,25 +21,17 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from pydantic import ValidationError
 from tqdm import tqdm
 
 from cbcore.config import EngineConfig
 from cbcore.log import get_logger
 from cbcore.outputs import EngineLoad, RequestOutput, StepStats, StepTotals
+from cbcore.scheduling.door import PolicyError
 from cbcore.scheduling.plan import Sampled, StepPlan
 from cbcore.scheduling.policy_scheduler import build_scheduler
-from cbcore.scheduling.request import (
-    Prompt,
-    RequestError,
-    RequestFields,
-    check_request,
-    encode_prompt,
-    field_problems,
-    nonempty_str,
-)
+from cbcore.scheduling.request import Prompt, Request, RequestError, check_request, encode_prompt
 from cbcore.scheduling.sampling_params import SamplingParams
-from cbcore.scheduling.scheduler import Scheduler, SchedulerOutput
+from cbcore.scheduling.scheduler import Scheduler, SchedulerError, SchedulerOutput
 from cbcore.scheduling.sequence import FinishReason, Sequence, SequenceStatus
 from cbcore.scheduling.step import Steps, StepTransaction
 
@@ -48,6 +41,9 @@ __all__ = ["EngineCore", "Executor", "Prompt", "RequestError", "StepRecord", "bu
 
 #: How many recent StepStats ``step_stats`` keeps.
 STEP_STATS_KEPT = 1024
+#: How many requests one step may end for failing policy calls before the engine stops instead.
+MAX_REPLANS = 8
+_NOTHING = Sampled([], [], [])
 
 
 @dataclass(frozen=True)
@@ -64,7 +60,7 @@ class Executor(Protocol):
     """Runs a checked plan, timed in three parts; ``sample`` gets the RNG states saved before it
     (to redo a row alone, with the draws it would get alone, if sampling the batch fails)."""
 
-    def prepare(self, out: SchedulerOutput, plan: StepPlan) -> Any: ...
+    def prepare(self, plan: StepPlan) -> Any: ...
     def forward(self, prepared: Any) -> Any: ...
     def sample(self, prepared: Any, forwarded: Any, rng_states: list[tuple[Any, Any]]) -> Sampled: ...
     def batch_of(self, prepared: Any) -> Any: ...
@@ -99,7 +95,10 @@ class EngineCore:
         self.step_totals = StepTotals()
         self.step_listeners: list[Callable[[StepRecord], None]] = []
         self._ids = itertools.count()
-        self.steps = Steps(scheduler, names, clock)
+        door = getattr(scheduler, "door", None)
+        culprit = door.culprit if door is not None else names.get(id(getattr(scheduler, "plugin", scheduler)))
+        self.steps = Steps(scheduler, culprit or f"scheduler {type(scheduler).__name__}", clock,
+                           self.eos_token_ids, max_model_len)  # fmt: skip
         self._live: dict[str, Sequence] = {}  # every request added and not yet ended
 
     # -- requests ------------------------------------------------------------
@@ -127,28 +126,23 @@ class EngineCore:
         only requests with the same salt share KV blocks (e.g. one per tenant).
         """
         params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise RequestError(f"params must be SamplingParams, got {type(params).__name__}")
-        request_id = nonempty_str(self.new_request_id() if request_id is None else request_id)
-        try:
-            fields = RequestFields(priority=priority, client_id=client_id, deadline_s=deadline_s, attrs=attrs)
-        except ValidationError as exc:
-            raise RequestError(f"request {request_id!r}: {field_problems(exc)}") from None
-        if arrival_time is not None and (isinstance(arrival_time, bool) or not isinstance(arrival_time, int | float)):
-            raise RequestError(f"request {request_id!r}: arrival_time must be a number, got {arrival_time!r}")
-        if request_id in self._live:
-            raise RequestError(f"request id {request_id!r} is already in use")
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise RequestError(f"request {request_id!r}: cache_salt must be a string, got {type(cache_salt).__name__}")
-        token_ids = encode_prompt(prompt, request_id, self.tokenizer)
-        check_request(token_ids, request_id, params, self.vocab_size, self.max_model_len, self.kv_capacity_tokens)
-        arrival = self.clock() if arrival_time is None else float(arrival_time)
+        request_id = self.new_request_id() if request_id is None else request_id
+        req = Request.checked(
+            request_id=request_id, params=params, priority=priority, client_id=client_id, deadline_s=deadline_s,
+            attrs=attrs, arrival_time=arrival_time, cache_salt=cache_salt,
+        )  # fmt: skip
+        if req.request_id in self._live:
+            raise RequestError(f"request id {req.request_id!r} is already in use")
+        token_ids = encode_prompt(prompt, req.request_id, self.tokenizer)
+        check_request(token_ids, req.request_id, params, self.vocab_size, self.max_model_len, self.kv_capacity_tokens)
         seq = Sequence(
-            request_id, token_ids, params, arrival_time=arrival, cache_salt=cache_salt, **dict(fields)
-        )
-        self.steps.call(self.scheduler.add, seq)  # the composed scheduler registers all or nothing
-        self._live[request_id] = seq
-        return request_id
+            req.request_id, token_ids, params, priority=req.priority, client_id=req.client_id,
+            arrival_time=self.clock() if req.arrival_time is None else req.arrival_time, deadline_s=req.deadline_s,
+            attrs=req.attrs, cache_salt=req.cache_salt,
+        )  # fmt: skip
+        self.scheduler.add(seq)  # all or nothing: a policy that raises on arrival leaves nothing registered
+        self._live[req.request_id] = seq
+        return req.request_id
 
     def new_request_id(self) -> str:
         """An id no request of this engine has had (``req-N``)."""
@@ -160,7 +154,7 @@ class EngineCore:
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request wherever it is; its KV blocks are freed at once."""
-        if (seq := self.steps.call(self.scheduler.abort, request_id)) is not None:
+        if (seq := self.scheduler.abort(request_id)) is not None:
             self._live.pop(request_id, None)
             log.info("request aborted", request_id=request_id, generated=seq.num_output_tokens)
         return seq is not None
@@ -206,39 +200,54 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """Run one iteration: plan -> run -> commit; a delta for every request that produced a token or ended.
 
-        If anything in the step fails -- a plugin raises, the plan breaks a
-        rule, the forward fails -- the step is undone before the exception
-        propagates: the engine is as it was, and the error names the plugin.
+        If anything in the step fails, the step is undone first: the engine is
+        as it was. A policy call that failed about one request ends that
+        request with the error (its output says which policy and method) and
+        the step is planned again without it; any other failure propagates,
+        naming the plugin when a plugin caused it (``SchedulerError``).
         """
         blocks = self.scheduler.blocks
         queries0, hits0 = blocks.prefix_cache_queries_tokens, blocks.prefix_cache_hits_tokens
         t0 = self.clock()
-        tx = StepTransaction(self.steps, self._live.values())
-        try:
-            plan = tx.plan()
-            out = tx.out
-            t1 = t2 = t3 = self.clock()
-            batch = None
-            outputs: list[RequestOutput] = []
-            if plan.rows:
-                prepared = self.executor.prepare(out, plan)
-                batch = self.executor.batch_of(prepared)
-                t2 = self.clock()
-                forwarded = self.executor.forward(prepared)
-                t3 = self.clock()
-                new_token, failed = tx.commit(self.executor.sample(prepared, forwarded, tx.rng), self._check_finish)
-                outputs = self._outputs(new_token, failed)
-        except BaseException as exc:
-            if (named := tx.undo(exc)) is exc:
-                raise
-            raise named from exc
-        outputs[:0] = self._outputs({}, out.failed)  # refused while planning
+        ended: list[Sequence] = []  # requests a failing policy call ended; the step ran without them
+        while True:
+            tx = StepTransaction(self.steps, self._live.values())
+            try:
+                out = self.scheduler.schedule()
+                plan = tx.check(out)
+                t1 = t2 = t3 = self.clock()
+                batch, sampled = None, _NOTHING
+                if plan.rows:
+                    prepared = self.executor.prepare(plan)
+                    batch = self.executor.batch_of(prepared)
+                    t2 = self.clock()
+                    forwarded = self.executor.forward(prepared)
+                    t3 = self.clock()
+                    sampled = self.executor.sample(prepared, forwarded, tx.rng)
+                new_token, failed, results = tx.commit(sampled)
+                late = self.scheduler.on_step_end(out, results) or ()  # the events: after the commit
+                break
+            except BaseException as exc:
+                tx.undo()
+                rid = exc.request_id if isinstance(exc, SchedulerError) else None
+                if rid is None or rid not in self._live:
+                    raise
+                if len(ended) == MAX_REPLANS:
+                    raise SchedulerError(f"{exc}; the step failed {MAX_REPLANS + 1} times in a row, each time for "
+                                         "another request: the engine stops", plugin=exc.plugin, rule=exc.rule) from exc
+                ended.append(self._end(rid, exc))
+        for err in late:  # an event failed after the commit: its request ends, nothing is planned again
+            if err.request_id is None:
+                raise err
+            if (seq := self._live.get(err.request_id)) is not None and not seq.is_finished:
+                ended.append(self._end(err.request_id, err))  # (one that finished keeps its result)
+        outputs = self._outputs(new_token, [*out.failed, *failed, *(s for s in ended if s not in new_token)])
         stats = StepStats(
             step=self.step_totals.steps + 1,
             num_seqs=len(out.scheduled),
-            num_tokens=out.num_tokens,
-            num_prefill_tokens=out.num_prefill_tokens,
-            num_decode_tokens=out.num_decode_tokens,
+            num_tokens=plan.num_tokens,
+            num_prefill_tokens=plan.num_tokens - plan.num_decode_tokens,
+            num_decode_tokens=plan.num_decode_tokens,
             num_preempted=len(out.preempted),
             kv_blocks_used=blocks.num_used_blocks,
             kv_blocks_total=blocks.num_blocks,
@@ -255,8 +264,19 @@ class EngineCore:
             listener(StepRecord(stats, out, batch, outputs))
         return outputs
 
-    def _outputs(self, new_token: dict[Sequence, int], failed: list[Sequence]) -> list[RequestOutput]:
-        for seq in (*new_token, *failed):
+    def _end(self, request_id: str, err: SchedulerError) -> Sequence:
+        """End a request a plugin failed on: the client sees which plugin and method, the log everything."""
+        seq = self._live.pop(request_id)  # out of any later undo of this step
+        seq.error = getattr(err, "public", None) or f"{err.plugin.split(' (')[0]} broke the rule '{err.rule}'"
+        log.error("request ended: a plugin failed on it", request_id=request_id, plugin=err.plugin, rule=err.rule,
+                  error=str(err), exc_info=err)  # fmt: skip
+        self.scheduler.abort(request_id)
+        if seq.finish_reason is not FinishReason.ERROR:  # a whole-scheduler plugin ends it as an abort
+            seq.finish(FinishReason.ERROR, self.clock(), seq.error)
+        return seq
+
+    def _outputs(self, new_token: dict[Sequence, int], ended: list[Sequence]) -> list[RequestOutput]:
+        for seq in (*new_token, *ended):
             if seq.is_finished:
                 self._live.pop(seq.request_id, None)
         outputs = [
@@ -264,16 +284,7 @@ class EngineCore:
             for seq, tok in new_token.items()
             if self.deltas or seq.is_finished
         ]
-        return outputs + [RequestOutput.of(seq, [], self._text(seq)) for seq in failed]
-
-    def _check_finish(self, seq: Sequence, token: int, now: float) -> None:
-        params = seq.params
-        if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
-            seq.finish(FinishReason.STOP, now)
-        elif seq.num_output_tokens >= params.max_new_tokens or (
-            self.max_model_len is not None and seq.num_tokens >= self.max_model_len
-        ):
-            seq.finish(FinishReason.LENGTH, now)
+        return outputs + [RequestOutput.of(seq, [], self._text(seq)) for seq in ended]
 
     def _text(self, seq: Sequence) -> str | None:
         if self.tokenizer is None or not seq.is_finished:
@@ -323,7 +334,7 @@ class EngineCore:
                     self.add_request(prompt, p, request_id=request_id, priority=prio, client_id=client,
                                      deadline_s=deadline, attrs=extra)  # fmt: skip
                     seqs[request_id] = self._live[request_id]
-                except RequestError as exc:
+                except (RequestError, PolicyError) as exc:  # bad input, or a policy failed on its arrival
                     log.warning("request rejected", request_id=request_id, error=str(exc))
                     prompt_ids = prompt if isinstance(prompt, list) else []
                     done[request_id] = RequestOutput.rejected(request_id, list(prompt_ids), str(exc))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Sequence as Seq
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -21,38 +21,27 @@ class ChunkedPrefillParams(BaseModel):
     max_long_prefills: int = Field(
         1, ge=1, description="Most long prefills in one step, so short prompts are not stuck behind them."
     )
-    order: Literal["decode-first", "prefill-first"] = Field(
-        "decode-first",
-        description="decode-first is Sarathi's stall-free order: decodes never wait for a prefill.",
-    )
 
 
 class ChunkedPrefill(PrefillPolicy):
     """Fill what the token budget leaves with prompt chunks; never exceed it.
 
-    With the default decode-first order, every running decode gets its token
-    first, then ongoing chunks, then new prompts: a long prompt can no longer
-    stall the decodes of everyone else (the stall Sarathi-Serve removes).
+    Under the default decode-first order (``scheduler.order``), every running
+    decode gets its token first, then ongoing chunks, then new prompts: a long
+    prompt can no longer stall the decodes of everyone else (the stall
+    Sarathi-Serve removes).
     """
 
     name = "chunked-prefill"
     Params = ChunkedPrefillParams
 
-    def __init__(self, params: ChunkedPrefillParams | None = None) -> None:
-        super().__init__(params)
-        self.order = self.params.order
-        self._long_this_step = 0
-
-    def begin_step(self) -> None:
-        self._long_this_step = 0
-
-    def num_tokens(self, seq: SequenceView, tokens_left: int, batch_empty: bool) -> int:
+    def num_tokens(self, seq: SequenceView, tokens_left: int, scheduled: Seq[SequenceView]) -> int:
         pending = seq.num_pending_tokens
         threshold = self.params.long_prefill_threshold
         if threshold is not None and pending > threshold:
-            if self._long_this_step >= self.params.max_long_prefills:
+            long_ones = sum(1 for s in scheduled if s.num_pending_tokens > threshold)
+            if long_ones >= self.params.max_long_prefills:
                 return 0
-            self._long_this_step += 1
         n = min(pending, tokens_left)
         if self.params.chunk_size is not None:
             n = min(n, self.params.chunk_size)

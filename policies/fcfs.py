@@ -13,7 +13,7 @@ class FCFS(QueuePolicy):
     """
 
     name = "fcfs"
-    fixed_keys = True
+    _fixed_keys = True  # a key never changes after arrival: the scheduler stores it then
 
     def key(self, seq: SequenceView, now: float) -> tuple[float, str]:
         return (seq.arrival_time, seq.request_id)

@@ -27,8 +27,8 @@ class LongestPrefixMatch(QueuePolicy):
     while it still holds that prefix: requests of one conversation or one
     system prompt run close together, fewer cached blocks are evicted before
     their reuse, and less prefill is computed. The order reads
-    ``num_cached_prompt_tokens``, which the scheduler refreshes for every
-    waiting request before ordering them (only while the queue is no longer
+    ``num_cached_prompt_tokens``, which a waiting request's view looks up in
+    the cache when it is read (so only while the queue is no longer
     than ``fcfs_above``). Without prefix caching every count is 0 and this is
     FCFS. Running sequences are ordered the same way (the last is evicted first),
     by the count found when they were admitted.
@@ -36,9 +36,6 @@ class LongestPrefixMatch(QueuePolicy):
 
     name = "lpm"
     Params = LPMParams
-
-    def reads_cached_prefix(self, num_waiting: int) -> bool:
-        return num_waiting <= self.params.fcfs_above
 
     def key(self, seq: SequenceView, now: float) -> tuple[int, float, str]:
         return (-seq.num_cached_prompt_tokens, seq.arrival_time, seq.request_id)

@@ -10,11 +10,17 @@ from pydantic import BaseModel, ConfigDict, Field
 from cbcore.scheduling.policy import PreemptionPolicy, QueuePolicy, SequenceView
 
 Victim = Literal["newest", "lowest-priority", "least-progress", "queue-order"]
+Mode = Literal["recompute", "swap"]
+MODE_HELP = (
+    "recompute: free the victim's KV, it prefills again when it returns; swap: copy its KV to host memory "
+    "and back (recompute when the host pool is full)."
+)
 
 
 class PreemptionParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    mode: Mode = Field("recompute", description=MODE_HELP)
     victim: Victim = Field(
         "newest",
         description="newest arrival; lowest priority (highest value, then newest); least progress "
@@ -34,6 +40,10 @@ def pick_victim(
     return queue.order(candidates, now)[-1]
 
 
+class SwapParams(PreemptionParams):
+    mode: Mode = Field("swap", description=MODE_HELP)
+
+
 class _ByVictimRule(PreemptionPolicy):
     Params = PreemptionParams
 
@@ -49,7 +59,6 @@ class Recompute(_ByVictimRule):
     """
 
     name = "recompute"
-    mode = "recompute"
 
 
 class Swap(_ByVictimRule):
@@ -60,4 +69,4 @@ class Swap(_ByVictimRule):
     """
 
     name = "swap"
-    mode = "swap"
+    Params = SwapParams

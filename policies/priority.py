@@ -36,8 +36,7 @@ class Priority(QueuePolicy):
 
     def __init__(self, params: PriorityParams | None = None) -> None:
         super().__init__(params)
-        self.preempts_running = self.params.preempt_running
-        self.fixed_keys = self.params.aging_s is None
+        self._fixed_keys = self.params.aging_s is None  # without aging a key never changes after arrival
 
     def effective_priority(self, seq: SequenceView, now: float) -> float:
         if self.params.aging_s is None:
@@ -50,4 +49,4 @@ class Priority(QueuePolicy):
     def outranks(self, a: SequenceView, b: SequenceView, now: float) -> bool:
         # Only a strictly better priority may evict: equal priorities never
         # preempt each other (that would just thrash on arrival order).
-        return self.effective_priority(a, now) < self.effective_priority(b, now)
+        return self.params.preempt_running and self.effective_priority(a, now) < self.effective_priority(b, now)

@@ -19,11 +19,11 @@ class StaticParams(BaseModel):
 class Static(BudgetPolicy):
     """Run a wave of up to ``max_num_seqs`` requests; the next wave starts when all of it finished.
 
-    A wave is picked, in queue order, from the requests waiting when the
-    previous wave has ended, and topped up with new arrivals only while none
-    of its members has produced a token (the prompts of a wave may take several
-    steps to prefill under the token budget; they are still one batch). Then it
-    is closed: nobody else is admitted until every member has finished. Members
+    A wave is the first ``max_num_seqs`` waiting requests in queue order when
+    the previous wave has ended, topped up while none of its members has
+    produced a token (the prompts of a wave may take several steps to prefill
+    under the token budget; they are still one batch). Then it is closed:
+    nobody else is admitted until every member has finished. Members
     preempted by recompute are re-admitted: they belong to the current wave.
     """
 
@@ -32,28 +32,43 @@ class Static(BudgetPolicy):
 
     def __init__(self, params: StaticParams | None = None) -> None:
         super().__init__(params)
-        self.wave: set[str] = set()
-        self.closed = False
+        self.members: set[str] = set()  # the current wave's requests that have run
+        self.closed = False  # a member has produced a token: the wave takes nobody new
+        self.frozen: set[str] = set()  # when closed, the members-to-be that were waiting then
         self.waves_started = 0
+        self._wave: tuple[SchedulerState | None, frozenset[str]] = (None, frozenset())
 
     def limits(self, state: SchedulerState) -> StepLimits:
-        if not self.wave:  # the whole previous wave has finished
-            self.closed = False
-        if not self.closed:
-            if not self.wave and state.waiting:
-                self.waves_started += 1
-            for seq in state.waiting:
-                if len(self.wave) >= self.params.max_num_seqs:
-                    break
-                self.wave.add(seq.request_id)
         return StepLimits(self.params.max_num_seqs, self.params.max_num_batched_tokens)
 
     def may_admit(self, seq: SequenceView, state: SchedulerState) -> bool:
-        return seq.request_id in self.wave
+        rid = seq.request_id
+        return rid in self.members or rid in (self.frozen if self.closed else self.joining(state))
+
+    def joining(self, state: SchedulerState) -> frozenset[str]:
+        """While the wave is open: the waiting requests it takes, the first in queue order, up to its size."""
+        if self._wave[0] is not state:  # remembered per step: may_admit asks once per waiting request
+            room = self.params.max_num_seqs - len(self.members)
+            first = [w.request_id for w in state.waiting if w.request_id not in self.members][: max(room, 0)]
+            self._wave = (state, frozenset(first))
+        return self._wave[1]
+
+    @property
+    def wave(self) -> set[str]:
+        """Every request of the current wave: those that ran and those it still waits for (when closed)."""
+        return self.members | self.frozen
 
     def on_step_end(self, results: Seq[StepResult], now: float) -> None:
-        if any(r.new_token is not None and r.seq.request_id in self.wave for r in results):
-            self.closed = True
+        ran = [r.seq.request_id for r in results if not r.preempted]
+        if ran and not self.members:
+            self.waves_started += 1
+        self.members.update(ran)
+        if not self.closed and any(r.new_token is not None for r in results):
+            self.closed, self.frozen = True, set(self._wave[1])  # as planned in the step that closed it
+        self.frozen -= self.members
 
     def on_finish(self, seq: SequenceView, now: float) -> None:
-        self.wave.discard(seq.request_id)
+        self.members.discard(seq.request_id)
+        self.frozen.discard(seq.request_id)
+        if not self.members and not self.frozen:
+            self.closed = False

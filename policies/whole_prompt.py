@@ -2,21 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
-from pydantic import BaseModel, ConfigDict, Field
+from collections.abc import Sequence as Seq
 
 from cbcore.scheduling.policy import PrefillPolicy, SequenceView
-
-
-class WholePromptParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    order: Literal["decode-first", "prefill-first"] = Field(
-        "decode-first",
-        description="decode-first serves running decodes before admitting prompts; prefill-first "
-        "admits new prompts first (higher throughput, decodes may wait).",
-    )
 
 
 class WholePrompt(PrefillPolicy):
@@ -28,12 +16,7 @@ class WholePrompt(PrefillPolicy):
     """
 
     name = "whole-prompt"
-    Params = WholePromptParams
 
-    def __init__(self, params: WholePromptParams | None = None) -> None:
-        super().__init__(params)
-        self.order = self.params.order
-
-    def num_tokens(self, seq: SequenceView, tokens_left: int, batch_empty: bool) -> int:
+    def num_tokens(self, seq: SequenceView, tokens_left: int, scheduled: Seq[SequenceView]) -> int:
         pending = seq.num_pending_tokens
-        return pending if pending <= tokens_left or batch_empty else 0
+        return pending if pending <= tokens_left or not scheduled else 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import deque
 
 from cbcore.policies import FCFS, ChunkedPrefill, Recompute, Swap, TokenBudget
+from cbcore.policies.preemption import SwapParams
 from cbcore.scheduling.scheduler import ScheduledSeq, SchedulerOutput, SchedulerPlugin
 from cbcore.scheduling.sequence import SequenceStatus
 
@@ -36,8 +37,10 @@ def _fire(policy, target):
 
 class FaultyQueue(FCFS):
     name = "faulty-queue"
-    fixed_keys = False
-    preempts_running = True
+    _fixed_keys = False  # order() is asked every step
+
+    def outranks(self, a, b, now):  # preemptive admission by arrival
+        return self.key(a, now) < self.key(b, now)
 
     def order(self, seqs, now):
         ordered = super().order(seqs, now)
@@ -64,9 +67,6 @@ class FaultyQueue(FCFS):
         if _fire(self, "on_finish"):
             raise RuntimeError("on_finish failed")
 
-    def on_preempt(self, seq, now):
-        if _fire(self, "on_preempt"):
-            raise RuntimeError("on_preempt failed")
 
 
 class FaultyBudget(TokenBudget):
@@ -91,9 +91,9 @@ class FaultyBudget(TokenBudget):
 class FaultyPrefill(ChunkedPrefill):
     name = "faulty-prefill"
 
-    def num_tokens(self, seq, tokens_left, batch_empty):
+    def num_tokens(self, seq, tokens_left, scheduled):
         kind = _fire(self, "num_tokens")
-        n = super().num_tokens(seq, tokens_left, batch_empty)
+        n = super().num_tokens(seq, tokens_left, scheduled)
         if kind == "overrun":
             return seq.num_pending_tokens + tokens_left
         if kind == "negative":
@@ -119,7 +119,7 @@ class FaultyPreemption(Recompute):
 
 class FaultySwap(FaultyPreemption, Swap):
     name = "faulty-swap"
-    mode = "swap"
+    Params = SwapParams
 
 
 class FaultyFifo(SchedulerPlugin):
@@ -136,6 +136,14 @@ class FaultyFifo(SchedulerPlugin):
 
     def add(self, seq):
         self.waiting.append(seq)
+
+    def snapshot(self):
+        waiting, running, done = list(self.waiting), list(self.running), list(self.done)
+
+        def restore():
+            self.waiting, self.running, self.done = deque(waiting), running, done
+
+        return restore
 
     def has_unfinished(self):
         return bool(self.waiting or self.running)

@@ -194,14 +194,14 @@ def test_ignore_eos_runs_to_the_cap_in_reference_and_baselines() -> None:
 
 
 BROKEN_POLICY = """
-from cbcore import QueuePolicy, hookimpl
+from cbcore import BudgetPolicy, hookimpl
 
 
-class Broken(QueuePolicy):
-    name = "broken-queue"
+class Broken(BudgetPolicy):
+    name = "broken-budget"
 
-    def key(self, seq, now):
-        raise RuntimeError("no order today")
+    def limits(self, state):  # concerns no single request: the engine stops, the row fails
+        raise RuntimeError("no budget today")
 
 
 @hookimpl
@@ -213,7 +213,7 @@ def cbcore_register_policies():
 def test_a_failing_row_is_reported_and_the_others_run_with_per_class_results(model_dir, tmp_path, capsys) -> None:
     (tmp_path / "broken.py").write_text(BROKEN_POLICY)
     config = tmp_path / "broken.yaml"
-    config.write_text("plugins: [./broken.py]\nscheduler:\n  queue: {name: broken-queue}\nbackend: {name: eager}\n")
+    config.write_text("plugins: [./broken.py]\nscheduler:\n  budget: {name: broken-budget}\nbackend: {name: eager}\n")
     good = tmp_path / "good.yaml"
     good.write_text("backend: {name: eager}\n")
     out = tmp_path / "out.json"
@@ -228,7 +228,7 @@ def test_a_failing_row_is_reported_and_the_others_run_with_per_class_results(mod
     )
     text = capsys.readouterr().out
     assert rc == 1  # a row failed
-    assert "broken: FAILED: SchedulerError: queue policy 'broken-queue'" in text and "raised in key()" in text
+    assert "broken: FAILED: PolicyError: budget policy 'broken-budget'" in text and "raised in limits()" in text
     rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
     assert set(rows["broken"]) == {"name", "kind", "error"}
     row = rows["good"]

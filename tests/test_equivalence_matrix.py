@@ -104,13 +104,13 @@ class CacheProbe:
     def __init__(self, engine: Engine) -> None:
         self.events = dict.fromkeys(("mid_chunk", "shared_recompute", "shared_swap", "own_prefix"), 0)
         sched, blocks = engine.scheduler, engine.scheduler.blocks
-        preempt, schedule, record = sched.preempt, sched.schedule, blocks.record_lookup
+        preempt, schedule, record = sched._preempt, sched.schedule, blocks.record_lookup
 
-        def watch_preempt(victim, out, now):
+        def watch_preempt(victim):
             if any(blocks.ref_count(b) > 1 for b in victim.block_table):
-                swaps = sched.policies.preemption.mode == "swap" and blocks.can_swap_out(victim)
+                swaps = sched.door.mode == "swap" and blocks.can_swap_out(victim)
                 self.events["shared_swap" if swaps else "shared_recompute"] += 1
-            return preempt(victim, out, now)
+            return preempt(victim)
 
         def watch_schedule():
             out = schedule()
@@ -126,7 +126,7 @@ class CacheProbe:
                 self.events["own_prefix"] += 1  # a recomputed sequence found (part of) its own KV
             return record(seq, hit)
 
-        sched.preempt, sched.schedule, blocks.record_lookup = watch_preempt, watch_schedule, watch_record
+        sched._preempt, sched.schedule, blocks.record_lookup = watch_preempt, watch_schedule, watch_record
 
 
 @pytest.mark.parametrize(("backend", "mix", "family"), PREFIX_MATRIX)

@@ -173,14 +173,14 @@ class _Idle:
 
 
 def test_a_step_that_computes_nothing_while_work_waits_is_a_stall() -> None:
-    steps = Steps(_Idle(), {}, lambda: 0.0)
+    steps = Steps(_Idle(), CULPRIT, lambda: 0.0)
     with pytest.raises(SchedulerStall) as err:
         steps.observe(SchedulerOutput(), computed=0, sampled=0)
     assert err.value.rule == "a step computes tokens while work waits"
 
 
 def test_preemptions_that_throw_all_progress_away_are_a_stall() -> None:
-    steps = Steps(_Idle(), {}, lambda: 0.0)  # capacity 8 tokens: the window is 32
+    steps = Steps(_Idle(), CULPRIT, lambda: 0.0)  # capacity 8 tokens: the window is 32
     out = SchedulerOutput()
     for _ in range(4):
         steps.observe(out, computed=8, sampled=0)

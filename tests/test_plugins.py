@@ -93,7 +93,7 @@ def test_a_module_class_path_works_in_a_config_and_engine(tmp_path: Path, models
         {"scheduler": {"queue": {"name": f"{path}:Direct"}}, "backend": EAGER, "kv_cache": SMALL_KV}
     )
     engine = Engine(models["llama"], None, config)
-    assert type(engine.scheduler.queue).__name__ == "Direct"
+    assert type(engine.scheduler.door.queue).__name__ == "Direct"
 
 
 def test_two_plugins_claiming_one_name_is_an_error_naming_both(tmp_path: Path) -> None:
@@ -266,7 +266,7 @@ def test_a_whole_scheduler_replacement_is_selected_by_config(tmp_path: Path, mod
     model = models["llama"]
     prompts = random_prompts(4, 3, 20, seed=5)
     engine = Engine(model, None, config)
-    assert type(engine.scheduler).__name__ == "Serial" and engine.scheduler.params.newest_first
+    assert type(engine.scheduler.plugin).__name__ == "Serial" and engine.scheduler.params.newest_first
     outputs = engine.generate(prompts, SamplingParams(max_new_tokens=6))
     assert_equivalent(compare_greedy(model, outputs, reference_generate(model, prompts, 6)))
     assert engine.scheduler.order == ["req-3", "req-2", "req-1", "req-0"]
@@ -288,7 +288,7 @@ from cbcore.testing import tiny_model
 
 config = EngineConfig.from_file(sys.argv[1])
 registry = get_registry(tuple(config.plugins))
-queue = Engine(tiny_model("llama"), None, config).scheduler.queue
+queue = Engine(tiny_model("llama"), None, config).scheduler.door.queue
 print(json.dumps({
     "origins": {e.name: e.origin for e in registry.entries("queue")},
     "queue_class": f"{type(queue).__module__}.{type(queue).__qualname__}",
@@ -378,7 +378,7 @@ def test_cb_plugins_json(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
     assert rows[("queue", "listed")]["origin"] == f"path {path}"
     chunked = {p["name"]: p for p in rows[("prefill", "chunked-prefill")]["params"]}
     assert chunked["chunk_size"]["default"] is None and chunked["max_long_prefills"]["default"] == 1
-    assert chunked["order"]["default"] == "decode-first"
+    assert "order" not in chunked  # the phase order is the scheduler's (scheduler.order)
     assert rows[("budget", "token-budget")]["summary"].startswith("One token budget")
     for (kind, _), row in rows.items():
         if kind == "backend":

@@ -20,7 +20,7 @@ from cbcore.policies import (
     WholePrompt,
 )
 from cbcore.policies.chunked_prefill import ChunkedPrefillParams
-from cbcore.policies.preemption import PreemptionParams, pick_victim
+from cbcore.policies.preemption import PreemptionParams, SwapParams, pick_victim
 from cbcore.policies.priority import PriorityParams
 from cbcore.policies.static import StaticParams
 from cbcore.scheduling.policy import BudgetPolicy, PreemptionPolicy, QueuePolicy, SchedulerState, StepLimits
@@ -55,7 +55,7 @@ def test_every_builtin_has_defaults_and_refuses_unknown_params(cls: type) -> Non
 def test_fcfs_orders_by_arrival() -> None:
     seqs = [view("c", arrival=3.0), view("a", arrival=1.0), view("b", arrival=2.0)]
     assert [s.request_id for s in FCFS().order(seqs, now=10.0)] == ["a", "b", "c"]
-    assert FCFS().outranks(seqs[1], seqs[0], now=10.0)
+    assert not FCFS().outranks(seqs[1], seqs[0], now=10.0)  # admission under fcfs never evicts
 
 
 def test_priority_aging_lowers_the_effective_value_with_waiting_time() -> None:
@@ -71,7 +71,9 @@ def test_priority_outranks_only_strictly() -> None:
     prio = Priority()
     a, b = view("a", arrival=0.0, priority=1), view("b", arrival=5.0, priority=1)
     assert not prio.outranks(a, b, now=6.0) and not prio.outranks(b, a, now=6.0)
-    assert prio.preempts_running and not Priority(PriorityParams(preempt_running=False)).preempts_running
+    urgent = view("u", arrival=6.0, priority=0)
+    assert prio.outranks(urgent, a, now=6.0) and not prio.outranks(a, urgent, now=6.0)
+    assert not Priority(PriorityParams(preempt_running=False)).outranks(urgent, a, now=6.0)
 
 
 # -- budget ------------------------------------------------------------------------------
@@ -88,17 +90,18 @@ def test_token_budget_limits_come_from_params() -> None:
 
 def test_static_forms_a_wave_in_queue_order_and_closes_it_on_the_first_token() -> None:
     static = Static(StaticParams(max_num_seqs=2))
-    waiting = (view("a"), view("b"), view("c"))
-    static.limits(state(waiting))
-    assert static.wave == {"a", "b"} and static.waves_started == 1
-    assert not static.may_admit(waiting[2], state(waiting))
-    static.on_step_end([SimpleNamespace(seq=waiting[0], new_token=5)], now=1.0)
-    static.on_finish(waiting[0], now=1.0)
-    static.limits(state(waiting[1:]))  # b still runs: c may not join
-    assert static.wave == {"b"}
-    static.on_finish(waiting[1], now=2.0)
-    static.limits(state(waiting[2:]))
-    assert static.wave == {"c"} and static.waves_started == 2
+    a, b, c = view("a"), view("b"), view("c")
+    first = state((a, b, c))
+    assert [static.may_admit(s, first) for s in (a, b, c)] == [True, True, False]
+    assert static.may_admit(a, first) and static.waves_started == 0  # answers change nothing
+    static.on_step_end([SimpleNamespace(seq=a, new_token=5, preempted=False)], now=1.0)  # b did not fit yet
+    assert static.closed and static.wave == {"a", "b"} and static.waves_started == 1
+    static.on_finish(a, now=1.0)
+    later = state((c, b))  # c ranks first now, but the wave is closed: b still joins, c may not
+    assert static.may_admit(b, later) and not static.may_admit(c, later)
+    static.on_step_end([SimpleNamespace(seq=b, new_token=5, preempted=False)], now=2.0)
+    static.on_finish(b, now=3.0)
+    assert not static.closed and static.may_admit(c, state((c,)))
 
 
 # -- prefill -----------------------------------------------------------------------------
@@ -106,27 +109,29 @@ def test_static_forms_a_wave_in_queue_order_and_closes_it_on_the_first_token() -
 
 def test_chunked_prefill_fills_what_the_budget_leaves_within_chunk_size() -> None:
     seq = view("s", pending=100)
-    assert ChunkedPrefill().num_tokens(seq, tokens_left=37, batch_empty=False) == 37
+    other = (view("o", pending=1),)
+    assert ChunkedPrefill().num_tokens(seq, tokens_left=37, scheduled=other) == 37
     capped = ChunkedPrefill(ChunkedPrefillParams(chunk_size=16))
-    assert capped.num_tokens(seq, tokens_left=37, batch_empty=False) == 16
-    assert capped.num_tokens(view("t", pending=5), tokens_left=37, batch_empty=False) == 5
+    assert capped.num_tokens(seq, tokens_left=37, scheduled=other) == 16
+    assert capped.num_tokens(view("t", pending=5), tokens_left=37, scheduled=other) == 5
 
 
-def test_chunked_prefill_counts_long_prefills_per_step() -> None:
+def test_chunked_prefill_counts_the_long_prefills_the_step_holds() -> None:
     policy = ChunkedPrefill(ChunkedPrefillParams(long_prefill_threshold=10, max_long_prefills=2))
-    policy.begin_step()
-    counts = [policy.num_tokens(view(f"l{i}", pending=50), 100, False) for i in range(3)]
-    assert counts == [50, 50, 0]
-    assert policy.num_tokens(view("short", pending=8), 100, False) == 8
-    policy.begin_step()
-    assert policy.num_tokens(view("l2", pending=50), 100, False) == 50
+    longs = [view(f"l{i}", pending=50) for i in range(3)]
+    assert policy.num_tokens(longs[0], 100, ()) == 50
+    assert policy.num_tokens(longs[1], 100, longs[:1]) == 50
+    assert policy.num_tokens(longs[2], 100, longs[:2]) == 0  # two long ones in the step already
+    assert policy.num_tokens(view("short", pending=8), 100, longs[:2]) == 8
+    assert policy.num_tokens(longs[2], 100, (view("short", pending=8),)) == 50  # a new step
 
 
 def test_whole_prompt_runs_whole_or_alone() -> None:
     policy = WholePrompt()
-    assert policy.num_tokens(view("s", pending=30), tokens_left=30, batch_empty=False) == 30
-    assert policy.num_tokens(view("s", pending=31), tokens_left=30, batch_empty=False) == 0
-    assert policy.num_tokens(view("s", pending=99), tokens_left=30, batch_empty=True) == 99
+    other = (view("o", pending=1),)
+    assert policy.num_tokens(view("s", pending=30), tokens_left=30, scheduled=other) == 30
+    assert policy.num_tokens(view("s", pending=31), tokens_left=30, scheduled=other) == 0
+    assert policy.num_tokens(view("s", pending=99), tokens_left=30, scheduled=()) == 99
 
 
 # -- preemption ------------------------------------------------------------------------
@@ -149,8 +154,8 @@ def test_victim_rules(rule: str, victim: str) -> None:
         view("late", arrival=3.0, priority=1, computed=20),
     ]
     assert pick_victim(rule, candidates, FCFS(), now=5.0).request_id == victim  # type: ignore[arg-type]
-    assert Recompute(PreemptionParams(victim=rule)).mode == "recompute"
-    assert Swap(PreemptionParams(victim=rule)).mode == "swap"
+    assert Recompute(PreemptionParams(victim=rule)).params.mode == "recompute"
+    assert Swap(SwapParams(victim=rule)).params.mode == "swap"
 
 
 # -- the composed scheduler's guard rails -------------------------------------------------
@@ -206,15 +211,13 @@ def test_duplicate_request_ids_are_refused() -> None:
 
 @pytest.mark.parametrize("where", ["waiting", "running", "swapped"])
 def test_abort_frees_everything_wherever_the_request_is(where: str) -> None:
-    # Keys that may change (aging): the test raises a's priority value after it started.
     queue = Priority(PriorityParams(aging_s=1e6))
     run = FakeRun(queue, preemption=Swap(), num_blocks=6, host_blocks=8, budget=budget(max_seqs=1))
     a = run.add("a", 8, 30)
     if where != "waiting":
         run.step()
     if where == "swapped":
-        run.add("urgent", 8, 2)
-        a.priority = 5
+        run.add("urgent", 8, 2, priority=-1)  # outranks a: takes its slot, a is swapped out
         run.step()
         assert a.status is SequenceStatus.SWAPPED
     run.sched.abort("a")
@@ -224,22 +227,16 @@ def test_abort_frees_everything_wherever_the_request_is(where: str) -> None:
     assert run.blocks.num_free_blocks == 6
 
 
-class DriftingKeys(QueuePolicy):
-    """Declares fixed keys but reads the clock: exactly what ``fixed_keys`` promises not to do."""
+class StillSetsFixedKeys(QueuePolicy):
+    """Written for the old policy API: ``fixed_keys`` is no longer read."""
 
-    name = "drifting-keys"
+    name = "still-sets-fixed-keys"
     fixed_keys = True
 
     def key(self, seq, now):  # type: ignore[no-untyped-def]
-        return (now, seq.arrival_time)
+        return (seq.arrival_time,)
 
 
-def test_a_queue_that_declares_fixed_keys_is_held_to_them_at_admission() -> None:
-    run = FakeRun(queue=DriftingKeys(), budget=budget(max_seqs=1))
-    run.add("a", 4, 2)
-    run.add("b", 4, 2)
-    run.step()  # a is admitted in the step of its arrival (the clock has not moved): its key holds
-    with pytest.raises(SchedulerError) as err:
-        run.run()
-    assert err.value.rule == "with fixed_keys, key() never changes after arrival"
-    assert "drifting-keys" in str(err.value) and err.value.request_id == "b"
+def test_a_policy_setting_a_name_that_left_the_api_is_refused_naming_its_replacement() -> None:
+    with pytest.raises(TypeError, match="sets 'fixed_keys', which cbcore no longer reads: remove it"):
+        FakeRun(queue=StillSetsFixedKeys())

@@ -115,17 +115,19 @@ def test_a_policy_that_raises_during_admission_leaves_no_block_mapped(models):
     engine.generate([[*STEM, 3]], SamplingParams(max_new_tokens=1))  # STEM is cached
     engine.add_request([*STEM, 4, 5], SamplingParams(max_new_tokens=1), request_id="hit")
     sched = engine.scheduler
-    real = sched.prefill.num_tokens
+    prefill = sched.door.prefill
+    real = prefill.num_tokens
 
-    def broken(seq, tokens_left, batch_empty):
+    def broken(seq, tokens_left, scheduled):
         raise RuntimeError("prefill policy bug")
 
-    sched.prefill.num_tokens = broken
-    with pytest.raises(RuntimeError, match="prefill policy bug"):
-        engine.step()
-    seq = sched.get("hit")
-    assert seq.block_table == [] and seq.num_computed_tokens == 0
+    prefill.num_tokens = broken
+    out = engine.step()  # the request the failing call concerned ends; nothing it mapped stays held
+    assert [(o.request_id, o.finish_reason) for o in out] == [("hit", "error")]
+    assert "num_tokens()" in out[0].error and sched.get("hit") is None
     check_blocks(sched.blocks, sched.running)
-    sched.prefill.num_tokens = real
-    out = engine.step()  # and it is admitted normally afterwards, with its hit
-    assert [o.request_id for o in out] == ["hit"] and engine.step_stats[-1].prefix_cache_hits_tokens == 40
+    assert sched.blocks.num_used_blocks == 0
+    prefill.num_tokens = real
+    engine.add_request([*STEM, 4, 5], SamplingParams(max_new_tokens=1), request_id="again")
+    out = engine.step()  # admitted normally afterwards, with its hit
+    assert [o.request_id for o in out] == ["again"] and engine.step_stats[-1].prefix_cache_hits_tokens == 40

@@ -46,14 +46,14 @@ def test_policy_reads_every_field(models):
     while engine.has_unfinished():
         finished += [o.request_id for o in engine.step() if o.finished]
     assert finished == ["soon", "late"]  # one slot: the earlier deadline runs first
-    prio, client, deadline_s, deadline, seen = engine.scheduler.queue.seen["soon"]
+    prio, client, deadline_s, deadline, seen = engine.scheduler.door.queue.seen["soon"]
     assert (prio, client, deadline_s, deadline) == (2, "alice", 1.5, 2.0)
     assert isinstance(seen, MappingProxyType) and seen["tags"][1]["b"] == 1
     with pytest.raises(TypeError):
         seen["tier"] = "free"  # read-only for policies
     attrs["tier"] = "changed by the caller"
     assert seen["tier"] == "gold"  # a copy: the caller cannot change it later either
-    assert engine.scheduler.queue.seen["late"][:4] == (0, "default", 9.0, 9.0)
+    assert engine.scheduler.door.queue.seen["late"][:4] == (0, "default", 9.0, 9.0)
 
 
 @pytest.mark.parametrize(

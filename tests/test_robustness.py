@@ -21,6 +21,7 @@ from cbcore import (
     SchedulerStall,
 )
 from cbcore.policies import FCFS, ChunkedPrefill, Recompute, TokenBudget
+from cbcore.policies.preemption import PreemptionParams
 from cbcore.scheduling.scheduler import ScheduledSeq, SchedulerOutput, SchedulerPlugin
 from cbcore.scheduling.sequence import SequenceStatus
 from cbcore.testing import assert_equivalent, compare_greedy, reference_generate
@@ -78,8 +79,6 @@ class OrderTwice(QueuePolicy):
 
 class AlwaysOutranks(FCFS):
     name = "always-outranks"
-    preempts_running = True
-    fixed_keys = False
 
     def outranks(self, a, b, now):
         return True
@@ -89,8 +88,8 @@ class IgnoresTokensLeft(ChunkedPrefill):
     name = "ignores-tokens-left"
     broken = True
 
-    def num_tokens(self, seq, tokens_left, batch_empty):
-        return seq.num_pending_tokens if self.broken else super().num_tokens(seq, tokens_left, batch_empty)
+    def num_tokens(self, seq, tokens_left, scheduled):
+        return seq.num_pending_tokens if self.broken else super().num_tokens(seq, tokens_left, scheduled)
 
 
 class FailsAtStepEnd(FCFS):
@@ -121,30 +120,43 @@ class KeyFails(FCFS):
         return super().key(seq, now)
 
 
+BAD = "bad"  # the request every Flaky* policy fails on, in the method named by its ``fail_in``
+
+
+def _about_bad(fail_in: str, method: str, *seqs) -> None:
+    if fail_in == method and any(s.request_id == BAD for s in seqs):
+        raise ValueError(f"{method} failed")
+
+
 class Flaky(FCFS):
-    """Raises in the method named by ``fail_in`` (queue kind)."""
+    """Raises in the method named by ``fail_in`` (queue kind), for the request ``bad`` only."""
 
     name = "flaky-queue"
-    fixed_keys = False
-    preempts_running = True
     fail_in = ""
 
     def key(self, seq, now):
-        if self.fail_in == "key":
-            raise ValueError("key failed")
+        _about_bad(self.fail_in, "key", seq)
         return super().key(seq, now)
 
     def on_arrival(self, seq, now):
-        if self.fail_in == "on_arrival":
-            raise ValueError("on_arrival failed")
+        _about_bad(self.fail_in, "on_arrival", seq)
+
+    def on_step_end(self, results, now):
+        _about_bad(self.fail_in, "on_step_end", *(r.seq for r in results))
 
     def on_finish(self, seq, now):
-        if self.fail_in == "on_finish":
-            raise ValueError("on_finish failed")
+        _about_bad(self.fail_in, "on_finish", seq)
 
-    def on_preempt(self, seq, now):
-        if self.fail_in == "on_preempt":
-            raise ValueError("on_preempt failed")
+
+class FlakyOrder(Flaky):
+    """The same, with an order of its own (asked with every waiting sequence at once)."""
+
+    name = "flaky-order"
+    _fixed_keys = False
+
+    def order(self, seqs, now):
+        _about_bad(self.fail_in, "order", *seqs)
+        return sorted(seqs, key=lambda s: (s.arrival_time, s.request_id))
 
 
 class FlakyBudget(TokenBudget):
@@ -152,13 +164,11 @@ class FlakyBudget(TokenBudget):
     fail_in = ""
 
     def limits(self, state):
-        if self.fail_in == "limits":
-            raise ValueError("limits failed")
+        _about_bad(self.fail_in, "limits", *state.waiting)
         return super().limits(state)
 
     def may_admit(self, seq, state):
-        if self.fail_in == "may_admit":
-            raise ValueError("may_admit failed")
+        _about_bad(self.fail_in, "may_admit", seq)
         return True
 
 
@@ -166,10 +176,9 @@ class FlakyPrefill(ChunkedPrefill):
     name = "flaky-prefill"
     fail_in = ""
 
-    def num_tokens(self, seq, tokens_left, batch_empty):
-        if self.fail_in == "num_tokens":
-            raise ValueError("num_tokens failed")
-        return super().num_tokens(seq, tokens_left, batch_empty)
+    def num_tokens(self, seq, tokens_left, scheduled):
+        _about_bad(self.fail_in, "num_tokens", seq)
+        return super().num_tokens(seq, tokens_left, scheduled)
 
 
 class FlakyPreemption(Recompute):
@@ -177,8 +186,7 @@ class FlakyPreemption(Recompute):
     fail_in = ""
 
     def choose_victim(self, candidates, queue, now):
-        if self.fail_in == "choose_victim":
-            raise ValueError("choose_victim failed")
+        _about_bad(self.fail_in, "choose_victim", *candidates)
         return super().choose_victim(candidates, queue, now)
 
 
@@ -213,6 +221,8 @@ class Twice(Lazy):
     name = "twice"
 
     def schedule(self):
+        if not self.seqs:
+            return SchedulerOutput()
         seq = next(iter(self.seqs.values()))
         seq.status = SequenceStatus.RUNNING
         self.blocks.grow(seq, seq.num_pending_tokens)
@@ -279,18 +289,18 @@ def test_a_queue_that_orders_a_sequence_twice_is_stopped_by_name(models):
     assert err.value.rule == "order() returns each given sequence exactly once"
     assert "appears 2 times" in str(err.value)
     assert not engine.has_unfinished()  # generate() aborted its own requests
-    engine.scheduler.queue.broken = False
+    engine.scheduler.door.queue.broken = False
     run_exact(engine, model)
     assert_clean(engine)
 
 
-def test_a_whole_scheduler_that_schedules_twice_is_refused_before_running(models):
+def test_a_whole_scheduler_that_schedules_twice_ends_that_request_before_it_runs(models):
     engine = engine_for(models["llama"], {"name": f"{HERE}:Twice"})
     engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=6), request_id="a")
-    with pytest.raises(SchedulerError, match=r"scheduler 'twice' \(path .*\) broke the rule 'each sequence is "):
-        engine.step()
-    seq = engine.scheduler.seqs["a"]
-    assert seq.num_computed_tokens == 0 and seq.output_token_ids == [] and seq.block_table == []
+    (out,) = engine.step()  # refused before running; the step is planned again without "a"
+    assert (out.request_id, out.finish_reason, out.output_token_ids) == ("a", "error", [])
+    assert out.error == "scheduler 'twice' broke the rule 'each sequence is scheduled at most once'"
+    assert not engine.has_unfinished()
     assert engine.scheduler.blocks.num_free_blocks == engine.scheduler.blocks.num_blocks  # undone
 
 
@@ -323,36 +333,30 @@ def test_a_preemption_livelock_stalls_within_bounded_steps(models):
     assert_clean(engine)
 
 
-def test_a_prefill_policy_that_ignores_tokens_left_is_stopped(models):
+def test_a_prefill_policy_that_ignores_tokens_left_costs_only_the_request_it_overran(models):
     model = models["llama"]
     budget = {"name": "token-budget", "max_num_seqs": 4, "max_num_batched_tokens": 8}
     engine = engine_for(model, {"prefill": path("IgnoresTokensLeft"), "budget": budget})
-    engine.add_request([5] * 5, request_id="a")
+    engine.add_request([5] * 5, SamplingParams(max_new_tokens=4), request_id="a")
     engine.add_request([6] * 16, request_id="b")
-    with pytest.raises(SchedulerError, match=r"prefill policy 'ignores-tokens-left'.*within tokens_left") as err:
-        engine.step()
-    assert err.value.request_id == "b"
-    assert all(engine._live[r].num_computed_tokens == 0 for r in "ab")  # nothing of the step applied
-    engine.scheduler.policies.prefill.broken = False
-    assert engine.abort("a") and engine.abort("b")
+    outs = engine.step()
+    (b,) = [o for o in outs if o.request_id == "b"]
+    assert b.finish_reason == "error" and "within tokens_left" in b.error and "ignores-tokens-left" in b.error
+    engine.scheduler.door.prefill.broken = False
+    final = [o for _ in range(8) for o in engine.step() if o.finished]
+    assert final[0].output_token_ids == reference_generate(model, [[5] * 5], [4])[0].token_ids
     run_exact(engine, model)
 
 
-def test_on_step_end_raising_undoes_the_step(models):
+def test_on_step_end_raising_ends_its_request_after_the_step_it_concerned(models):
     model = models["llama"]
     engine = engine_for(model, {"queue": path("FailsAtStepEnd")})
-    rid = engine.add_request(PROMPTS[0][:6], SamplingParams(max_new_tokens=3))
-    tokens = []
-    with pytest.raises(SchedulerError, match=r"fails-at-step-end.*raised in on_step_end\(\).*bookkeeping bug"):
-        for _ in range(10):
-            tokens += [t for o in engine.step() for t in o.new_token_ids]
-    seq = engine._live[rid]
-    assert seq.num_output_tokens == 2 and len(tokens) == 2  # the third token was taken back
-    engine.scheduler.queue.broken = False
-    final = [o for _ in range(3) for o in engine.step() if o.finished]
-    assert len(final) == 1 and len(final[0].output_token_ids) == 3
-    ref = reference_generate(model, [PROMPTS[0][:6]], [3])[0]
-    assert final[0].output_token_ids == ref.token_ids
+    rid = engine.add_request(PROMPTS[0][:6], SamplingParams(max_new_tokens=4))
+    finals = [o for _ in range(10) for o in engine.step() if o.finished]
+    (final,) = finals  # events run after the commit: the third token stands, nothing is planned again
+    assert final.request_id == rid and final.finish_reason == "error"
+    assert final.error == "queue policy 'fails-at-step-end' raised RuntimeError in on_step_end()"
+    assert final.output_token_ids == reference_generate(model, [PROMPTS[0][:6]], [3])[0].token_ids
     assert_clean(engine)
 
 
@@ -365,7 +369,7 @@ def test_a_ctrl_c_inside_a_policy_undoes_the_step_and_stays_a_ctrl_c(models):
             engine.step()
     assert caught.type is KeyboardInterrupt
     assert engine._live[rid].num_output_tokens == 2  # the third token was taken back
-    engine.scheduler.queue.broken = False
+    engine.scheduler.door.queue.broken = False
     final = [o for _ in range(3) for o in engine.step() if o.finished]
     assert final[0].output_token_ids == reference_generate(model, [PROMPTS[0][:6]], [3])[0].token_ids
     assert_clean(engine)
@@ -377,7 +381,7 @@ def test_a_key_that_raises_in_add_registers_nothing(models):
         engine.add_request([1, 2], request_id="bad")
     assert not engine.has_unfinished() and engine.scheduler.get("bad") is None
     assert not engine.abort("bad")
-    engine.scheduler.queue.broken = False
+    engine.scheduler.door.queue.broken = False
     engine.add_request([1, 2], request_id="bad")  # the id is free again
     assert engine.abort("bad")
     assert_clean(engine)
@@ -386,9 +390,8 @@ def test_a_key_that_raises_in_add_registers_nothing(models):
 FLAKY = [
     ("queue", "Flaky", "key"),
     ("queue", "Flaky", "on_arrival"),
-    ("queue", "Flaky", "on_finish"),
-    ("queue", "Flaky", "on_preempt"),
-    ("budget", "FlakyBudget", "limits"),
+    ("queue", "Flaky", "on_step_end"),
+    ("queue", "FlakyOrder", "order"),
     ("budget", "FlakyBudget", "may_admit"),
     ("prefill", "FlakyPrefill", "num_tokens"),
     ("preemption", "FlakyPreemption", "choose_victim"),
@@ -396,22 +399,49 @@ FLAKY = [
 
 
 @pytest.mark.parametrize(("slot", "cls", "method"), FLAKY, ids=[m for _, _, m in FLAKY])
-def test_any_policy_method_raising_is_named_and_generate_stays_usable(models, slot, cls, method):
+def test_a_policy_failing_on_one_request_costs_only_that_request(models, slot, cls, method):
     model = models["llama"]
     engine = engine_for(model, {slot: path(cls)}, kv={"block_size": 4, "num_blocks": 12})
-    policy = getattr(engine.scheduler, slot)
+    policy = getattr(engine.scheduler.door, slot)
     idx = [1, 3, 5, 9]  # long outputs in a small cache: preemptions happen
     prompts = [PROMPTS[i][:12] for i in idx]
     policy.fail_in = method
-    with pytest.raises(SchedulerError, match=rf"{policy.name}.*\(path .*\) raised in {method}\(\)") as err:
-        engine.generate(prompts, SamplingParams(max_new_tokens=20))
-    assert err.value.rule == f"{method}() raised"
-    if method not in ("limits",):
-        assert err.value.request_id is not None
-    assert not engine.has_unfinished()
-    policy.fail_in = ""
-    outs = engine.generate(prompts, SamplingParams(max_new_tokens=20))
-    assert_equivalent(compare_greedy(model, outs, reference_generate(model, prompts, 20)))
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=20), request_id=rid)
+           for p, rid in zip(prompts, ["r0", BAD, "r2", "r3"], strict=True)] if method not in ("key", "on_arrival") else []  # fmt: skip
+    if not ids:  # asked when the request arrives: it is refused, with the plugin named
+        with pytest.raises(SchedulerError, match=rf"{policy.name}.*raised in {method}\(\) for request 'bad'"):
+            engine.add_request(prompts[1], SamplingParams(max_new_tokens=20), request_id=BAD)
+        ids = [engine.add_request(p, SamplingParams(max_new_tokens=20), request_id=rid)
+               for p, rid in zip(prompts, ["r0", "ok", "r2", "r3"], strict=True)]  # fmt: skip
+    done = {o.request_id: o for _ in range(400) if engine.has_unfinished() for o in engine.step() if o.finished}
+    if BAD in done:
+        bad = done.pop(BAD)
+        assert bad.finish_reason == "error" and bad.error == f"{slot} policy '{policy.name}' raised ValueError in {method}()"
+    assert method in ("key", "on_arrival") or BAD in ids
+    outs = [done[rid] for rid in ids if rid != BAD]
+    kept = [p for p, rid in zip(prompts, ids, strict=True) if rid != BAD]
+    assert_equivalent(compare_greedy(model, outs, reference_generate(model, kept, 20)))
+    assert engine.scheduler.num_preemptions > 0 or method != "choose_victim"
+    assert_clean(engine)
+
+
+def test_a_failure_that_concerns_no_single_request_stops_the_engine_by_name(models):
+    engine = engine_for(models["llama"], {"budget": path("FlakyBudget")})
+    engine.scheduler.door.budget.fail_in = "limits"
+    engine.add_request(PROMPTS[1][:12], SamplingParams(max_new_tokens=4), request_id=BAD)
+    with pytest.raises(SchedulerError, match=r"budget policy 'flaky-budget' \(path .*\) raised in limits\(\)") as err:
+        engine.step()
+    assert err.value.request_id is None and err.value.rule == "limits() raised"
+    assert_clean(engine)
+
+
+def test_a_failing_on_finish_is_logged_and_the_request_keeps_its_result(models):
+    model = models["llama"]
+    engine = engine_for(model, {"queue": path("Flaky")})
+    engine.scheduler.door.queue.fail_in = "on_finish"
+    outs = engine.generate([PROMPTS[1][:12], PROMPTS[3][:12]], SamplingParams(max_new_tokens=5))
+    refs = reference_generate(model, [PROMPTS[1][:12], PROMPTS[3][:12]], 5)
+    assert_equivalent(compare_greedy(model, outs, refs))
     assert_clean(engine)
 
 
@@ -454,9 +484,13 @@ def test_loose_types_are_refused(make, field):
         make()
 
 
+class TeleportParams(PreemptionParams):
+    mode: str = "teleport"  # type: ignore[assignment]
+
+
 class Teleport(Recompute):
     name = "teleport"
-    mode = "teleport"
+    Params = TeleportParams
 
 
 def test_an_unknown_preemption_mode_is_refused_at_start(models):

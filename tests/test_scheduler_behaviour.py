@@ -23,18 +23,19 @@ import torch
 from cbcore.execution.kv_cache import KVCache
 from cbcore.policies import FCFS, ChunkedPrefill, Priority, Recompute, Static, Swap, TokenBudget, WholePrompt
 from cbcore.policies.chunked_prefill import ChunkedPrefillParams
-from cbcore.policies.preemption import PreemptionParams
+from cbcore.policies.preemption import PreemptionParams, SwapParams
 from cbcore.policies.priority import PriorityParams
 from cbcore.policies.static import StaticParams
 from cbcore.policies.token_budget import TokenBudgetParams
 from cbcore.scheduling.block_manager import BlockManager
+from cbcore.scheduling.door import Door
 from cbcore.scheduling.policy import BudgetPolicy, PreemptionPolicy, PrefillPolicy, QueuePolicy, StepResult
 from cbcore.scheduling.policy_scheduler import PolicyScheduler
 from cbcore.scheduling.sampling_params import SamplingParams
+from cbcore.scheduling.plan import StepPlan
 from cbcore.scheduling.scheduler import SchedulerOutput
 from cbcore.scheduling.sequence import FinishReason, Sequence
 from cbcore.scheduling.step import Steps, StepTransaction
-from cbcore.scheduling.step_planner import StepPlanner
 from cbcore.testing.block_invariants import check_blocks
 
 TOKEN = 7
@@ -43,6 +44,7 @@ TOKEN = 7
 @dataclass
 class Step:
     out: SchedulerOutput
+    plan: StepPlan
     sampled: list[str]  # request ids that produced a token
     chunks: list[tuple[str, int, bool]]  # (request id, tokens, final chunk of what was pending)
     first_time: list[str]  # request ids scheduled for the first time
@@ -61,19 +63,14 @@ class FakeRun:
         host_blocks: int = 0,
         kv: bool = False,
         dt: float = 1.0,
+        order: str = "decode-first",
     ) -> None:
         self.now = 0.0
         self.dt = dt
         self.blocks = BlockManager(num_blocks, block_size, host_blocks)
-        self.sched = PolicyScheduler(
-            queue or FCFS(),
-            budget or TokenBudget(),
-            prefill or ChunkedPrefill(),
-            preemption or Recompute(),
-            self.blocks,
-            clock=lambda: self.now,
-        )
-        self.rules = Steps(self.sched, self.sched.policies.names, lambda: self.now)
+        door = Door(queue or FCFS(), budget or TokenBudget(), prefill or ChunkedPrefill(), preemption or Recompute())
+        self.sched = PolicyScheduler(door, self.blocks, clock=lambda: self.now, order=order)
+        self.rules = Steps(self.sched, door.culprit, lambda: self.now)
         self.kv = KVCache(2, num_blocks, block_size, 1, 2, torch.float32, "cpu", host_blocks) if kv else None
         self.seqs: dict[str, Sequence] = {}
         self.steps: list[Step] = []
@@ -98,13 +95,13 @@ class FakeRun:
     def step(self) -> Step:
         # Through the engine's step transaction: every plan is checked as the engine checks it.
         tx = StepTransaction(self.rules, [s for s in self.seqs.values() if not s.is_finished])
-        tx.plan()
-        out = tx.out
+        out = self.sched.schedule()
+        plan = tx.check(out)
         if self.kv is not None:
             self.kv.copy_out(out.swap_out)
             self.kv.copy_in(out.swap_in)
             self._forward(out)
-        record = Step(out, [], [], [])
+        record = Step(out, plan, [], [], [])
         results = []
         for item in out.scheduled:
             seq, n = item.seq, item.num_tokens
@@ -125,7 +122,8 @@ class FakeRun:
                 self.served[seq.client_id] += 2
                 if seq.num_output_tokens >= seq.params.max_new_tokens:
                     seq.finish(FinishReason.LENGTH, self.now)
-            results.append(StepResult(seq, n, token))
+            results.append(StepResult(seq.view, n, token))
+        results += [StepResult(seq.view, 0, None, True) for seq in out.preempted]
         self.sched.on_step_end(out, results)
         check_blocks(self.blocks, self.sched.running)
         self.steps.append(record)
@@ -286,12 +284,12 @@ def test_static_never_admits_mid_wave(prefill: PrefillPolicy, max_tokens: int, n
     for i, (plen, cap) in enumerate(shapes[:7]):
         run.add(f"r{i}", plen, cap)
     late = iter(range(7, len(shapes)))
-    members: list[set[str]] = []  # the wave as the policy holds it, after each step's limits()
+    members: list[set[str]] = []  # the wave as the policy holds it, when each step is planned
     limits = static.limits
 
     def spy(state: Any) -> Any:
         result = limits(state)
-        members.append(set(static.wave))
+        members.append(static.wave | (set() if static.closed else set(static.joining(state))))
         return result
 
     static.limits = spy  # type: ignore[method-assign]
@@ -333,14 +331,14 @@ def test_static_with_priority_admits_a_pending_member_behind_a_newcomer() -> Non
 
 @pytest.mark.parametrize("order", ["decode-first", "prefill-first"])
 def test_chunked_prefill_respects_the_token_budget(order: str) -> None:
-    params = ChunkedPrefillParams(long_prefill_threshold=20, order=order)
-    run = FakeRun(FCFS(), budget(max_seqs=6, max_tokens=16), ChunkedPrefill(params))
+    params = ChunkedPrefillParams(long_prefill_threshold=20)
+    run = FakeRun(FCFS(), budget(max_seqs=6, max_tokens=16), ChunkedPrefill(params), order=order)
     for i, plen in enumerate([50, 3, 33, 1, 17, 64, 9]):
         run.add(f"r{i}", plen, 6)
     run.run()
-    assert all(step.out.num_tokens <= 16 for step in run.steps)
+    assert all(step.plan.num_tokens <= 16 for step in run.steps)
     assert run.sched.num_partial_prefills > 0
-    mixed = [s for s in run.steps if s.out.num_prefill_tokens and s.out.num_decode_tokens]
+    mixed = [s for s in run.steps if s.plan.num_tokens - s.plan.num_decode_tokens and s.plan.num_decode_tokens]
     assert mixed, "prefill chunks never shared a step with decodes"
     for step in run.steps:
         # a token is sampled exactly for the chunks that complete what was pending
@@ -351,7 +349,7 @@ def test_chunked_prefill_respects_the_token_budget(order: str) -> None:
     if order == "decode-first":
         for step in run.steps:
             if any(not final for _, _, final in step.chunks):
-                assert step.out.num_decode_tokens == sum(1 for s in step.out.scheduled if s.is_decode), (
+                assert step.plan.num_decode_tokens == sum(1 for r in step.plan.rows if r.decode), (
                     "a decode waited for a prefill"
                 )
 
@@ -418,10 +416,10 @@ def _contents(kv: KVCache, table: list[int]) -> tuple[torch.Tensor, torch.Tensor
 @pytest.mark.parametrize("order", ["decode-first", "prefill-first"])
 @pytest.mark.parametrize("queue", [FCFS(), Priority()], ids=["fcfs", "priority"])
 def test_swap_preemption_keeps_every_cached_token(order: str, queue: QueuePolicy) -> None:
-    swap = Swap(PreemptionParams(victim="lowest-priority"))
-    prefill = ChunkedPrefill(ChunkedPrefillParams(chunk_size=8, order=order))
+    swap = Swap(SwapParams(victim="lowest-priority"))
+    prefill = ChunkedPrefill(ChunkedPrefillParams(chunk_size=8))
     run = FakeRun(
-        queue, budget(max_seqs=6, max_tokens=24), prefill, swap, num_blocks=24, host_blocks=64, kv=True
+        queue, budget(max_seqs=6, max_tokens=24), prefill, swap, num_blocks=24, host_blocks=64, kv=True, order=order
     )
     for i, (plen, cap) in enumerate([(20, 30), (9, 40), (30, 12), (4, 50), (14, 25), (26, 20), (2, 60)]):
         run.add(f"r{i}", plen, cap, priority=i % 3)
@@ -443,13 +441,13 @@ def test_recompute_preemption_keeps_every_cached_token() -> None:
 
 
 class _SortedEveryStep(FCFS):
-    fixed_keys = False
+    _fixed_keys = False
 
 
 class _PrioritySortedEveryStep(Priority):
     def __init__(self) -> None:
         super().__init__()
-        self.fixed_keys = False
+        self._fixed_keys = False
 
 
 def _random_trace(queue: QueuePolicy) -> list[tuple]:
@@ -495,7 +493,7 @@ def test_fixed_queue_keys_plan_exactly_like_sorting_every_step(fixed: type, sort
 def test_decodes_in_one_pass_plan_exactly_like_the_per_sequence_loop(queue: type) -> None:
     """Same sequences, tokens, preemptions and block ids as checking each decode on its own."""
     calls = []  # every decode through the per-sequence loop instead
-    with mock.patch.object(StepPlanner, "_all_decodes", lambda self, decodes: calls.append(1) or False):
+    with mock.patch.object(PolicyScheduler, "_all_decodes", lambda self, decodes: calls.append(1) or False):
         per_sequence = _random_trace(queue())
     assert calls  # the one-pass path was really turned off, at every step that decoded
     assert _random_trace(queue()) == per_sequence

@@ -171,7 +171,6 @@ RECORDER = """
         '''FCFS that writes down the scheduling fields of every arrival.'''
         name = "recorder"
         Params = Params
-        fixed_keys = True
 
         def key(self, seq, now):
             return (seq.arrival_time, seq.request_id)

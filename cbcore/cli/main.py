@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     configure_logging(args.log_level, args.log_json)
+    opt_in_process_settings()
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
@@ -91,6 +92,23 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"cb: error: {one_line(exc)}", file=sys.stderr)
         return 2
+
+
+def opt_in_process_settings() -> None:
+    """What the ``cb`` application sets for its whole process, which a library must not do for its host.
+
+    glibc's allocator keeps the memory a step frees for the next step (no page
+    faults per step: :func:`cbcore.kernels.native.hold_freed_memory`), and a
+    Ctrl-C is told apart from a policy raising KeyboardInterrupt
+    (:func:`cbcore.scheduling.door.mark_interrupts`).
+    """
+    from cbcore.kernels.native import hold_freed_memory
+    from cbcore.log import get_logger
+    from cbcore.scheduling.door import mark_interrupts
+
+    why = hold_freed_memory()
+    get_logger(__name__).info("freed memory", kept="yes" if why is None else "no", why=why)
+    mark_interrupts()
 
 
 def one_line(exc: BaseException) -> str:

@@ -4,7 +4,7 @@ transformers lets a model's attention be any function registered in its
 ``AttentionInterface``. cbcore registers one, ``"cbcore"``, plus a mask
 function that builds nothing (the backend owns masking). Per-step metadata
 travels as keyword arguments of ``model(...)`` — ``cb_batch`` (the
-:class:`FlatBatch`) and ``cb_attn`` (the backend and KV cache) — which
+:class:`FlatBatch`) and ``cb_attn`` (the runner, whose ``attend`` stores K/V and calls the backend) — which
 transformers forwards to every attention call. No module-global state, so
 several engines can share a process.
 
@@ -17,16 +17,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 
-from cbcore.execution.backend import Backend
 from cbcore.execution.batch import FlatBatch
-from cbcore.execution.kv_cache import KVCache
 
 IMPLEMENTATION = "cbcore"
 
@@ -35,24 +32,10 @@ IMPLEMENTATION = "cbcore"
 _UNSUPPORTED = ("softcap", "s_aux", "sinks", "attention_chunk_size")
 
 
-@dataclass(frozen=True)
-class AttentionContext:
-    backend: Backend
-    kv_cache: KVCache
-
-    def attend(
-        self, batch: FlatBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-        window: int | None, scaling: float,
-    ) -> torch.Tensor:  # fmt: skip
-        """Store ``layer``'s keys and values of this step in the pool (once), then attend; ``[T, heads, D]``."""
-        self.kv_cache.write(layer, batch.slot_mapping, k, v)
-        return self.backend.forward(q, k, v, layer, batch, self.kv_cache, scaling, window)
-
-
 def cbcore_attention(
     module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-    cb_batch: FlatBatch | None = None, cb_attn: AttentionContext | None = None,
+    cb_batch: FlatBatch | None = None, cb_attn: Any = None,
     sliding_window: int | None = None, **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:  # fmt: skip
     """transformers' attention call: ``query`` ``[1, H, T, D]``, ``key``/``value`` ``[1, Hkv, T, D]``."""

@@ -31,6 +31,7 @@ class FlatBatch:
     logits_indices: torch.Tensor  # [S] long, row of T whose logits are sampled
     sample_rows: list[int]  # per sampled sequence: its index in the batch
     block_size: int
+    sampling: list[Any] = field(default_factory=list)  # the plan rows that sample (their params and RNGs)
     # Per-step scratch space for backends (masks, plans): built on the first
     # layer, reused by the others.
     scratch: dict[str, Any] = field(default_factory=dict)

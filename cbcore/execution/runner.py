@@ -1,4 +1,8 @@
-"""ModelRunner: owns the model and the KV tensors, runs one packed forward per step."""
+"""ModelRunner: owns the model and the KV tensors, runs each step's plan: swaps, packing, one forward, sampling.
+
+It is the engine's executor (:class:`cbcore.engine_core.Executor`): it gets the
+step's plan and gives back one token per sampling row, nothing else.
+"""
 
 from __future__ import annotations
 
@@ -11,15 +15,15 @@ import torch
 from transformers import PreTrainedModel
 
 from cbcore.config import KVCacheConfig
-from cbcore.execution.attention import AttentionContext, check_model_supported, routed_to_cbcore
+from cbcore.execution.attention import check_model_supported, routed_to_cbcore
 from cbcore.execution.backend import Backend
 from cbcore.execution.batch import FlatBatch, build_flat_batch
 from cbcore.execution.kv_cache import KVCache
-from cbcore.kernels.native import hold_freed_memory
+from cbcore.execution.sampler import sample_each
 from cbcore.log import get_logger
 from cbcore.models.fused_decoder import FusedDecoder, fused_refusal
 from cbcore.models.packed_linear import LinearKind, resolve_kind
-from cbcore.scheduling.plan import StepPlan
+from cbcore.scheduling.plan import Sampled, StepPlan
 
 log = get_logger(__name__)
 
@@ -66,8 +70,6 @@ class ModelRunner:
         self.kv_cache = KVCache(
             g.num_layers, num_blocks, block_size, g.num_kv_heads, g.head_dim, self.dtype, self.device, num_host_blocks
         )
-        self._attn = AttentionContext(backend, self.kv_cache)
-        why_freed = hold_freed_memory() if self.device.type == "cpu" else "not on the CPU"
         why_hf = fused_refusal(model) if forward != "hf" else "asked for"
         if why_hf is not None and (forward == "fused" or linear == "onednn"):
             what = "forward 'fused'" if forward == "fused" else "linear 'onednn' (it multiplies in the fused forward)"
@@ -79,7 +81,6 @@ class ModelRunner:
             "model forward", forward=self.model_forward, why_hf=why_hf if forward == "auto" else None,
             linear=self.linear, why_standard=why_standard, warmed_products=getattr(self.fused, "warmed", 0),
             warm_s=round(getattr(self.fused, "warm_s", 0.0), 2),
-            freed_memory="held" if why_freed is None else "returned", why_returned=why_freed,
         )  # fmt: skip
         log.info(
             "kv cache ready", backend=backend.name, variant=backend.variant, num_blocks=num_blocks,
@@ -87,22 +88,41 @@ class ModelRunner:
         )  # fmt: skip
 
     def prepare(self, plan: StepPlan) -> FlatBatch:
+        """The step's swap copies first (before anything overwrites the freed blocks), then its packed batch."""
+        self.kv_cache.copy_out(plan.swap_out)
+        self.kv_cache.copy_in(plan.swap_in)
         chunks = [(row.token_ids, row.start, row.block_table) for row in plan.rows]
         sample = [row.params is not None for row in plan.rows]
-        return build_flat_batch(chunks, sample, self.kv_cache.block_size, self.device)
+        batch = build_flat_batch(chunks, sample, self.kv_cache.block_size, self.device)
+        batch.sampling = [plan.rows[i] for i in batch.sample_rows]
+        return batch
+
+    def batch_of(self, batch: FlatBatch) -> FlatBatch:
+        return batch
 
     @torch.inference_mode()
     def forward(self, batch: FlatBatch) -> torch.Tensor:
         """One forward over the packed row; logits ``[S, vocab]`` for the sampling rows only."""
         if self.fused is not None:
-            return self.fused(batch, functools.partial(self._attn.attend, batch))
-        with routed_to_cbcore(self.model):
-            return self.model(
-                input_ids=batch.input_ids.unsqueeze(0), position_ids=batch.positions.unsqueeze(0),
-                use_cache=False, cb_batch=batch, cb_attn=self._attn, logits_to_keep=batch.logits_indices,
-            ).logits[0]  # fmt: skip
+            logits = self.fused(batch, functools.partial(self.attend, batch))
+        else:
+            with routed_to_cbcore(self.model):
+                logits = self.model(
+                    input_ids=batch.input_ids.unsqueeze(0), position_ids=batch.positions.unsqueeze(0),
+                    use_cache=False, cb_batch=batch, cb_attn=self, logits_to_keep=batch.logits_indices,
+                ).logits[0]  # fmt: skip
+        if logits.device.type == "cuda":
+            torch.cuda.synchronize()  # so that the step's forward time is the forward's
+        return logits
 
-    def swap(self, plan: StepPlan) -> None:
-        """Apply the step's swap copies before anything overwrites the freed blocks."""
-        self.kv_cache.copy_out(plan.swap_out)
-        self.kv_cache.copy_in(plan.swap_in)
+    def attend(
+        self, batch: FlatBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+        window: int | None, scaling: float,
+    ) -> torch.Tensor:  # fmt: skip
+        """Store ``layer``'s keys and values of this step in the pool (once), then attend; ``[T, heads, D]``."""
+        self.kv_cache.write(layer, batch.slot_mapping, k, v)
+        return self.backend.forward(q, k, v, layer, batch, self.kv_cache, scaling, window)
+
+    def sample(self, batch: FlatBatch, logits: torch.Tensor, rng_states: list) -> Sampled:
+        tokens, top, errors = sample_each(logits, batch.sampling, rng_states)
+        return Sampled(list(batch.sample_rows), list(tokens), list(top), errors)

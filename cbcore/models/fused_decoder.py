@@ -124,7 +124,7 @@ class FusedDecoder:
     @torch.inference_mode()
     def __call__(self, batch: FlatBatch, attention: Callable[..., torch.Tensor]) -> torch.Tensor:
         """``attention(q, k, v, layer, window, scaling)`` stores this step's keys and values and attends
-        (:meth:`cbcore.execution.attention.AttentionContext.attend`)."""
+        (:meth:`cbcore.execution.runner.ModelRunner.attend`)."""
         heads, kv_heads, dim, ops = self.heads, self.kv_heads, self.head_dim, self.ops
         q_end, k_end = heads * dim, (heads + kv_heads) * dim
         h = self.embed(batch.input_ids)

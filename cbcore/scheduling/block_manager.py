@@ -6,7 +6,7 @@ memory (and tests can fuzz it) without a model. The tensors themselves live in
 
 Prefix caching (``prefix_caching=True``): once a block is full and its KV
 computed, it is registered under the hash of its tokens and everything before
-them (:mod:`cbcore.scheduling.prefix_hash`). Blocks carry reference counts, so
+them (:func:`extend_hashes`). Blocks carry reference counts, so
 sequences with a common prefix map the same blocks. A freed block that is
 registered keeps its KV and goes to an *evictable* list, least recently used
 first; a later request with the same prefix revives it instead of computing
@@ -17,16 +17,77 @@ tokens, so no shared block is ever written: sharing needs no copy-on-write.
 Swap preemption copies every block of the victim to host memory and drops its
 references; blocks other sequences still read stay on the device untouched
 (copy on swap). Swapping back in takes fresh device blocks.
+
+Block names: block ``i`` of a token stream is named by a digest of (the name
+of block ``i - 1``, its ``block_size`` token ids); block 0's parent is a
+digest of the request's cache salt, so requests with different salts never
+share KV. The chain makes a block's name stand for the whole prefix up to its
+end, which is what the KV of that block depends on. The digest is BLAKE2b
+(128 bits) rather than Python's ``hash``: a tenant must not be able to craft a
+prompt whose blocks collide with another tenant's cached prefix and so read
+KV it never computed.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
+from collections.abc import Sequence as Seq
 from itertools import takewhile
+from typing import Any
 
-from cbcore.scheduling.prefix_hash import BlockHash, extend_hashes
 from cbcore.scheduling.sequence import Sequence
+
+BlockHash = bytes
+_DIGEST = 16
+
+
+def root_hash(salt: str | None) -> BlockHash:
+    """The parent of a stream's first block: distinct per salt (None: no salt)."""
+    if salt is None:
+        return b""
+    return hashlib.blake2b(b"salt:" + salt.encode(), digest_size=_DIGEST).digest()
+
+
+def extend_hashes(hashes: list[BlockHash], token_ids: Seq[int], block_size: int, salt: str | None, upto: int) -> None:
+    """Append to ``hashes`` (the chain of ``token_ids``' first blocks) until it names ``upto`` full blocks."""
+    upto = min(upto, len(token_ids) // block_size)
+    start = len(hashes)
+    if start >= upto:
+        return
+    parent = hashes[-1] if hashes else root_hash(salt)
+    # One conversion for all new blocks; 4-byte ids (vocabularies are far below 2**32).
+    raw = array("I", token_ids[start * block_size : upto * block_size]).tobytes()
+    width = block_size * 4
+    blake = hashlib.blake2b
+    for offset in range(0, len(raw), width):
+        parent = blake(parent + raw[offset : offset + width], digest_size=_DIGEST).digest()
+        hashes.append(parent)
+
+
+class KVView:
+    """What a policy may read about the KV cache (``state.kv``): counts, never the books themselves."""
+
+    __slots__ = ("_blocks",)
+
+    def __init__(self, blocks: BlockManager) -> None:
+        object.__setattr__(self, "_blocks", blocks)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"a policy cannot set {name!r}: the KV cache is read-only for policies")
+
+    num_blocks = property(lambda self: self._blocks.num_blocks)
+    block_size = property(lambda self: self._blocks.block_size)
+    num_free_blocks = property(lambda self: self._blocks.num_free_blocks)
+    num_used_blocks = property(lambda self: self._blocks.num_used_blocks)
+    num_cached_blocks = property(lambda self: self._blocks.num_cached_blocks)
+
+    def blocks_needed(self, seq: Any, num_new_tokens: int) -> int:
+        """Extra blocks ``seq`` (a view) needs to hold ``num_new_tokens`` more computed tokens."""
+        total = self._blocks.blocks_for_tokens(seq.num_computed_tokens + num_new_tokens)
+        return max(0, total - len(seq.block_table))
 
 
 class BlockManager:
@@ -51,6 +112,7 @@ class BlockManager:
         self._host_tables: dict[str, list[int]] = {}
         # Tokens looked up at admissions and tokens found (what EngineLoad and /metrics report).
         self.prefix_cache_queries_tokens = self.prefix_cache_hits_tokens = 0
+        self.view = KVView(self)
 
     # -- queries -------------------------------------------------------------
 

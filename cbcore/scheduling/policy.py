@@ -1,17 +1,31 @@
-"""The four scheduling extension points and the events policies receive.
+"""The four scheduling extension points: what a policy author writes.
 
-A policy is a small class with a ``name``, a ``kind`` and a pydantic
-``Params`` model. The composed scheduler (:mod:`cbcore.scheduling.policy_scheduler`) asks
-each kind one narrow question per step:
+A policy is a small class with a ``name`` and, if it takes parameters, a
+pydantic ``Params`` model. The scheduler (:mod:`cbcore.scheduling.policy_scheduler`,
+whose docstring is the scheduling specification) asks each kind narrow
+questions every step:
 
-* ``queue``      — in what order should waiting (and running) sequences be served?
-* ``budget``     — how many sequences / tokens may this step carry; may this one join?
-* ``prefill``    — how many of a sequence's pending prompt tokens run this step?
-* ``preemption`` — when the KV cache cannot grow, whom to evict and how?
+* ``queue``      — ``key`` (or ``order``): in what order are sequences served
+                   (the last is evicted first)? ``outranks``: may a waiting
+                   sequence evict a running one?
+* ``budget``     — ``limits``: how many sequences / tokens may this step
+                   carry? ``may_admit``: may this waiting sequence join?
+* ``prefill``    — ``num_tokens``: how many of a sequence's pending tokens run now?
+* ``preemption`` — ``choose_victim``: whom to evict when the KV cache cannot
+                   grow; a ``mode`` parameter (recompute or swap) says how.
 
-Policies see sequences through :class:`SequenceView` (read them, do not mutate
-them; keep your own state in ``seq.policy_state`` or on the policy) and the
-KV bookkeeping through :class:`KVView`.
+**Answers are free of side effects.** The scheduler may ask a question
+again, or plan a step again without a request whose policy call failed, so
+an answer must depend only on its arguments and on state the policy changed
+in its events. State changes happen in the events: ``on_arrival``,
+``on_step_end`` (what every scheduled sequence computed and sampled, and who
+was preempted, delivered once the step has committed) and ``on_finish``.
+
+Policies see sequences as read-only views (:class:`SequenceView`) and the KV
+cache through ``state.kv``: nothing a policy does with its arguments changes
+the engine. Every call goes through one door (:mod:`cbcore.scheduling.door`)
+that checks the answer and names the policy, the method and the request when
+it is wrong or raises.
 """
 
 from __future__ import annotations
@@ -19,15 +33,20 @@ from __future__ import annotations
 from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, Protocol
+from typing import Any, ClassVar, Protocol
 
 from pydantic import BaseModel
 
 from cbcore.plugins import NoParams
 
+__all__ = [
+    "BudgetPolicy", "PreemptionPolicy", "PrefillPolicy", "QueuePolicy", "SchedulerState", "SequenceView",
+    "StepLimits", "StepResult",
+]  # fmt: skip
+
 
 class SequenceView(Protocol):
-    """What a policy may read about a sequence (docs/policies.md describes every field)."""
+    """What a policy may read about a sequence (docs/policies.md describes every field); nothing is writable."""
 
     request_id: str
     priority: int  # the ``priority`` queue serves smaller values first
@@ -35,41 +54,30 @@ class SequenceView(Protocol):
     arrival_time: float  # scheduler clock seconds
     deadline_s: float | None  # seconds after arrival by which it should be done, or None
     attrs: Mapping[str, Any]  # the request's free-form JSON attributes, read-only
-    num_computed_tokens: int
-    # Tokens of its pending prefill the prefix cache held when last looked up: at admission, and
-    # every step for a queue whose reads_cached_prefix() says so. Admission skips them.
-    num_cached_prompt_tokens: int
-    num_preemptions: int
-    block_table: list[int]
-    policy_state: dict[str, object]
+    params: Any  # its SamplingParams (frozen)
+    prompt_token_ids: tuple[int, ...]
+    num_prompt_tokens: int
 
     @property
     def deadline(self) -> float | None: ...
     @property
-    def num_prompt_tokens(self) -> int: ...
+    def num_computed_tokens(self) -> int: ...
     @property
     def num_tokens(self) -> int: ...
     @property
     def num_output_tokens(self) -> int: ...
     @property
+    def output_token_ids(self) -> tuple[int, ...]: ...
+    @property
     def num_pending_tokens(self) -> int: ...
     @property
     def is_prefilling(self) -> bool: ...
-
-    params: Any  # SamplingParams
-
-
-class KVView(Protocol):
-    """What a policy may read about the KV cache."""
-
-    num_blocks: int
-    block_size: int
-
     @property
-    def num_free_blocks(self) -> int: ...
+    def num_preemptions(self) -> int: ...
     @property
-    def num_used_blocks(self) -> int: ...
-    def blocks_needed(self, seq: Any, num_new_tokens: int) -> int: ...
+    def num_cached_prompt_tokens(self) -> int: ...
+    @property
+    def block_table(self) -> tuple[int, ...]: ...
 
 
 @dataclass(frozen=True)
@@ -81,7 +89,7 @@ class SchedulerState:
     waiting: Seq[SequenceView]  # in the queue policy's order: the order admissions are tried
     running: Seq[SequenceView]
     swapped: Seq[SequenceView]
-    kv: KVView
+    kv: Any  # KVView: num_blocks, block_size, num_free_blocks, num_used_blocks, blocks_needed(seq, n)
 
 
 @dataclass(frozen=True)
@@ -92,15 +100,16 @@ class StepLimits:
 
 @dataclass(frozen=True)
 class StepResult:
-    """What one scheduled sequence did in a step (sent to ``on_step_end``)."""
+    """What one sequence did in a step (sent to ``on_step_end``)."""
 
     seq: SequenceView
     num_computed: int  # tokens whose KV was computed this step
-    new_token: int | None  # the sampled token, None for a non-final prefill chunk
+    new_token: int | None  # the sampled token, None for a non-final prefill chunk (or a preemption)
+    preempted: bool = False  # evicted this step (its computed tokens are dropped unless swapped)
 
 
-class Policy:
-    """Base of every policy: identity, params and no-op event handlers."""
+class _Policy:
+    """Identity, params and no-op events; subclass one of the four kinds below, not this."""
 
     name: ClassVar[str]
     kind: ClassVar[str]
@@ -109,50 +118,38 @@ class Policy:
     def __init__(self, params: BaseModel | None = None) -> None:
         self.params = params if params is not None else self.Params()
 
-    # Events. ``now`` is the scheduler clock (seconds).
+    # Events, delivered after the step they concern has committed. ``now`` is the scheduler clock (seconds).
     def on_arrival(self, seq: SequenceView, now: float) -> None: ...
     def on_step_end(self, results: Seq[StepResult], now: float) -> None: ...
     def on_finish(self, seq: SequenceView, now: float) -> None: ...
-    def on_preempt(self, seq: SequenceView, now: float) -> None: ...
 
 
-class QueuePolicy(Policy):
+class QueuePolicy(_Policy):
     """Orders sequences; the first in order is served first and evicted last."""
 
     kind: ClassVar[str] = "queue"
-    #: When True, a waiting sequence that finds no free slot or KV blocks may
-    #: preempt running sequences the queue ranks strictly below it (only when
-    #: evicting them can make room).
-    preempts_running: bool = False
-    #: When True, ``key(seq, now)`` never changes once ``seq`` has arrived (it
-    #: depends on neither ``now`` nor what was served). The scheduler then
-    #: computes each key once, at arrival, and sorts by the stored keys instead
-    #: of calling :meth:`order`: ordering a thousand waiting requests every step
-    #: would otherwise cost more than the rest of the step.
-    fixed_keys: bool = False
-
-    def reads_cached_prefix(self, num_waiting: int) -> bool:
-        """Whether :meth:`order` reads ``num_cached_prompt_tokens`` with this many waiting.
-
-        When True (and prefix caching is on) the scheduler looks every waiting
-        sequence up in the cache before ordering them; the lookup costs a few
-        dictionary probes per sequence, so a policy may decline on long queues.
-        """
-        return False
+    #: Built-ins whose key never changes after arrival set this: the key is stored then. Not for plugins.
+    _fixed_keys: ClassVar[bool] = False
 
     def key(self, seq: SequenceView, now: float) -> Any:
         """Sort key; smaller is served first. Override this or :meth:`order`."""
         raise NotImplementedError
 
     def order(self, seqs: Seq[SequenceView], now: float) -> list[SequenceView]:
+        """Every given sequence once, first served first (override for an order no key expresses)."""
         return sorted(seqs, key=lambda s: self.key(s, now))
 
     def outranks(self, a: SequenceView, b: SequenceView, now: float) -> bool:
-        """True when ``a`` should be served strictly before ``b``."""
-        return bool(self.key(a, now) < self.key(b, now))
+        """Whether waiting ``a``, finding no free slot or KV blocks, may evict running ``b``.
+
+        False by default: admission waits for room. A preemptive ranking (priority,
+        MLFQ) answers True when ``a`` ranks strictly above ``b``; the scheduler
+        evicts only when evicting every such ``b`` would make room for ``a``.
+        """
+        return False
 
 
-class BudgetPolicy(Policy):
+class BudgetPolicy(_Policy):
     """Caps what one step carries and decides admission of waiting sequences."""
 
     kind: ClassVar[str] = "budget"
@@ -164,26 +161,28 @@ class BudgetPolicy(Policy):
         return True
 
 
-class PrefillPolicy(Policy):
-    """Sizes prefill work: whole prompts or chunks, and decode-first or prefill-first."""
+class PrefillPolicy(_Policy):
+    """Sizes prefill work: whole prompts or chunks."""
 
     kind: ClassVar[str] = "prefill"
-    order: Literal["decode-first", "prefill-first"] = "decode-first"
 
-    def begin_step(self) -> None:
-        """Called once per step before any :meth:`num_tokens` call."""
+    def num_tokens(self, seq: SequenceView, tokens_left: int, scheduled: Seq[SequenceView]) -> int:
+        """Pending tokens of ``seq`` to run now (0: not this step; more than pending: all of it).
 
-    def num_tokens(self, seq: SequenceView, tokens_left: int, batch_empty: bool) -> int:
-        """Pending tokens of ``seq`` to run now (0: not this step).
-
-        ``tokens_left`` is what remains of the step's token budget and
-        ``batch_empty`` says nothing else is scheduled yet.
+        ``tokens_left`` is what remains of the step's token budget; ``scheduled``
+        the sequences this step already holds (empty: ``seq`` would run alone, and
+        then it may exceed ``tokens_left``). Asked only for sequences with more
+        than one pending token: a decode always runs its one.
         """
         raise NotImplementedError
 
 
-class PreemptionPolicy(Policy):
-    """Picks a victim when the KV cache cannot grow, and says how to evict it.
+class PreemptionPolicy(_Policy):
+    """Picks a victim when the KV cache cannot grow.
+
+    How the victim is evicted is configuration, not code: a ``mode`` field in
+    the policy's ``Params`` (``"recompute"``, the default when there is none,
+    or ``"swap"``), as the built-in ``recompute`` and ``swap`` have.
 
     The candidates are the running sequences not yet scheduled this step. The
     running phase serves sequences in the queue policy's order, so the queue's
@@ -192,8 +191,6 @@ class PreemptionPolicy(Policy):
     """
 
     kind: ClassVar[str] = "preemption"
-    mode: Literal["recompute", "swap"] = "recompute"
 
     def choose_victim(self, candidates: Seq[SequenceView], queue: QueuePolicy, now: float) -> SequenceView:
         raise NotImplementedError
-

@@ -1,216 +1,387 @@
-"""The composed scheduler: the queues of waiting, running and swapped sequences, across steps.
+"""The scheduler: one class owns the queues, the phases, admission and preemption.
 
-It implements :class:`~cbcore.scheduling.scheduler.Scheduler` from four narrow
-policies (:class:`~cbcore.scheduling.policy_set.PolicySet`, which checks each
-answer). What one step decides — who runs, who is preempted, who is admitted —
-is :class:`~cbcore.scheduling.step_planner.StepPlanner`'s; this class keeps
-what outlives a step: the queues, the stored queue keys, the counters, and
-the events policies receive when requests arrive, finish or are aborted.
+This docstring is the scheduling specification; ``tests/test_scheduling_contract.py``
+has a test per rule. The four policies answer questions (:mod:`cbcore.scheduling.policy`),
+always through the door (:mod:`cbcore.scheduling.door`), which checks each answer.
+
+**What the answers mean.** ``key``/``order``: the order sequences are served
+in; the last in order is evicted first among the running. ``outranks(a, b)``:
+waiting ``a`` may evict running ``b``. ``limits``: the most sequences (also
+the cap on running sequences) and tokens this step carries. ``may_admit``:
+False skips a waiting sequence this step without stopping those behind it.
+``num_tokens``: how many pending tokens run now; 0 skips the sequence this
+step, more than pending means all of it; a decode always runs its one token
+without asking. ``choose_victim``: which candidate to evict; the ``mode``
+parameter of the preemption policy says how (``recompute``: its KV is freed
+and it waits at its queue position; ``swap``: its KV goes to host memory, or
+it is recomputed when the host pool is full).
+
+**One step**, ``schedule()``: the budget's ``limits`` first, then three phases
+in the order ``scheduler.order`` names: ``decode-first`` (the default) runs
+*running, swapped, waiting*; ``prefill-first`` runs *waiting, running,
+swapped*. The rules, in the order they apply:
+
+1. *Running.* The running sequences in queue order, decodes before ongoing
+   prefill chunks (prefills first under prefill-first), while the step has
+   a sequence slot and tokens left. Each gets ``num_tokens``; when the KV
+   cache cannot grow by that much, the preemption policy evicts one of the
+   running sequences not yet scheduled this step, again until it fits; with
+   no other candidate, the sequence itself is evicted. A sequence alone in
+   the cache that still does not fit ends with an error. When every decode
+   fits at once they are all scheduled, in queue order, without asking.
+2. *Swapped.* Swapped-out sequences return in queue order before anything
+   new starts, while a slot, tokens and their blocks are there; the first
+   that does not fit stops the phase. Those evicted this step stay out.
+3. *Waiting.* Skipped in a step that preempted or swapped in, and while
+   anything is swapped out: memory is tight and new work would only be
+   evicted again. Otherwise waiting sequences in queue order: those
+   ``may_admit`` refuses are passed over; a sequence's cached prefix is
+   mapped first, so ``num_tokens`` and the budget see only the rest; the
+   first that does not fit (no slot, no tokens, no KV blocks) stops
+   admission: *no overtaking*. Before giving up, a waiting sequence evicts
+   the running ones it ``outranks`` (victims chosen among them), but only if
+   evicting all of them would make room: an eviction that cannot admit it
+   only destroys work. A sequence alone in the cache and still too big ends
+   with an error, and admission goes on behind it.
+4. Every swap-out is planned before any swap-in: the runner copies out
+   first, so a swap-in may reuse a block a swap-out of the same step freed.
+5. A sequence's first admission time is stamped once; preemptions keep it.
+
+**Events** reach the policies only after a step has committed (never while it
+is planned, so a step can be planned again without a request whose policy
+failed): ``on_step_end`` with what each scheduled sequence computed and
+sampled and who was preempted, then ``on_finish`` for each that ended.
+``on_arrival`` comes from ``add()``; an abort's ``on_finish`` from ``abort()``.
 """
 
 from __future__ import annotations
 
-import bisect
 import time
 from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
-from typing import Any
+from typing import Any, Literal
 
 from cbcore.config import SLOTS, EngineConfig
 from cbcore.log import get_logger
 from cbcore.plugins import get_registry
 from cbcore.scheduling.block_manager import BlockManager
-from cbcore.scheduling.policy import (
-    BudgetPolicy,
-    PreemptionPolicy,
-    PrefillPolicy,
-    QueuePolicy,
-    SchedulerState,
-    StepResult,
-)
-from cbcore.scheduling.policy_set import PolicySet, describe
-from cbcore.scheduling.scheduler import Scheduler, SchedulerOutput
+from cbcore.scheduling.door import Door, GuardedScheduler, PolicyError, describe
+from cbcore.scheduling.policy import SchedulerState, StepResult
+from cbcore.scheduling.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from cbcore.scheduling.sequence import FinishReason, Sequence, SequenceStatus
-from cbcore.scheduling.step_planner import OrderedOnDemand, StepPlanner
 
 log = get_logger(__name__)
+
+WAITING, RUNNING, SWAPPED = SequenceStatus.WAITING, SequenceStatus.RUNNING, SequenceStatus.SWAPPED
+
+
+class LazyViews(Seq[Any]):
+    """The waiting queue's views in queue order, ordered on first read: most steps never read it."""
+
+    def __init__(self, order: Callable[[], list[Sequence]]) -> None:
+        self._order, self._items = order, None
+
+    @property
+    def items(self) -> tuple[Any, ...]:
+        if self._items is None:
+            self._items = tuple(s.view for s in self._order())
+        return self._items
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.items[index]
+
+    def __len__(self) -> int:
+        return len(self.items)
 
 
 class PolicyScheduler:
     """The scheduler a config's ``queue``/``budget``/``prefill``/``preemption`` sections compose."""
 
     def __init__(
-        self,
-        queue: QueuePolicy,
-        budget: BudgetPolicy,
-        prefill: PrefillPolicy,
-        preemption: PreemptionPolicy,
-        blocks: BlockManager,
-        clock: Callable[[], float] = time.perf_counter,
-        origins: Mapping[str, str] | None = None,
-    ) -> None:
-        self.policies = PolicySet(queue, budget, prefill, preemption, origins)
-        self.blocks, self.clock = blocks, clock
+        self, door: Door, blocks: BlockManager, clock: Callable[[], float] = time.perf_counter,
+        order: Literal["decode-first", "prefill-first"] = "decode-first",
+    ) -> None:  # fmt: skip
+        self.door, self.blocks, self.clock = door, blocks, clock
+        self.decode_first = order == "decode-first"
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
         self._by_id: dict[str, Sequence] = {}
-        self._keys: dict[Sequence, Any] = {}  # stored queue keys, when the queue has fixed_keys
         self.step_index = self.num_preemptions = self.num_swap_fallbacks = 0
         self.num_partial_prefills = 0  # scheduled prefill chunks shorter than what was pending
+        self._ordered: list[Sequence] | None = None  # this step's waiting order, once asked
 
-    queue = property(lambda self: self.policies.queue)
-    budget = property(lambda self: self.policies.budget)
-    prefill = property(lambda self: self.policies.prefill)
-    preemption = property(lambda self: self.policies.preemption)
-
-    # -- protocol ------------------------------------------------------------
+    # -- requests ------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
-        """Register ``seq``; if a policy raises, nothing of it stays registered (then re-raise)."""
+        """Register ``seq`` and tell the policies; if one raises, nothing of it stays (the error names it)."""
         if seq.request_id in self._by_id:
             raise ValueError(f"request id {seq.request_id!r} is already in the scheduler")
+        object.__setattr__(seq.view, "_blocks", self.blocks if self.blocks.prefix_caching else None)
         now = self.clock()
-        self.policies.arrived(seq, now)
-        try:
-            if self.queue.fixed_keys:
-                self._keys[seq] = self.queue.key(seq, now)
-            self.enqueue(seq)  # sorting by a key that does not compare raises here, not in a later step
-        except Exception:
-            self._keys.pop(seq, None)  # enqueue() raises before it inserts: the queue never holds seq
-            self.policies.unarrive(seq, now)
-            raise
+        if self.door.fixed_keys:
+            seq.queue_key = self.door.key(seq, now)
+        self.door.arrived(seq, now)
+        seq.status = WAITING
+        self.waiting.append(seq)
         self._by_id[seq.request_id] = seq
-
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
 
     def get(self, request_id: str) -> Sequence | None:
         return self._by_id.get(request_id)
 
-    def schedule(self) -> SchedulerOutput:
-        self.step_index += 1
-        planner = StepPlanner(self, self.state(self.clock()))
-        out = planner.run()
-        self.num_partial_prefills += len(planner.partials)
-        return out
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """End a request wherever it is (with the error the engine recorded on it, if any) and free its KV."""
+        if (seq := self._by_id.get(request_id)) is None:
+            return None
+        self._remove(seq)
+        now = self.clock()
+        seq.finish(FinishReason.ABORT if seq.error is None else FinishReason.ERROR, now, seq.error)
+        del self._by_id[request_id]
+        self.door.finished(seq, now)
+        return seq
 
     def snapshot(self) -> Callable[[], None]:
-        """Capture the queues, keys and counters; the engine's step transaction restores the sequences."""
+        """Capture the queues and counters; the engine's step transaction restores the sequences."""
         lists = (list(self.waiting), list(self.running), list(self.swapped))
-        keys = dict(self._keys)  # only add() adds keys: an empty dict stays empty through a step
         counters = (self.step_index, self.num_preemptions, self.num_swap_fallbacks, self.num_partial_prefills)
 
         def restore() -> None:
             self.waiting, self.running, self.swapped = (list(x) for x in lists)
             self._by_id = {s.request_id: s for q in lists for s in q}
-            self._keys = dict(keys)
             self.step_index, self.num_preemptions, self.num_swap_fallbacks, self.num_partial_prefills = counters
 
         return restore
 
-    def on_step_end(self, output: SchedulerOutput, results: Seq[StepResult]) -> None:
-        if self.blocks.prefix_caching:  # KV written this step becomes findable (finished ones' too)
-            for item in output.scheduled:
-                self.blocks.register_computed(item.seq)
+    def on_step_end(self, out: SchedulerOutput, results: Seq[StepResult]) -> list[PolicyError]:
+        """The committed step's bookkeeping, then its events; returns the events' failures (each names its request)."""
+        blocks = self.blocks
+        if blocks.prefix_caching:  # KV written this step becomes findable (finished ones' too)
+            for item in out.scheduled:
+                blocks.register_computed(item.seq)
         now = self.clock()
-        self.policies.step_ended(results, now)
-        if finished := [s.seq for s in output.scheduled if s.seq.is_finished]:
-            done = set(finished)
-            self.running = [s for s in self.running if s not in done]
-            for seq in finished:
-                self.blocks.free(seq)
-                self.forget(seq, now)
+        ended = [s.seq for s in out.scheduled if s.seq.status is SequenceStatus.FINISHED] + out.failed
+        if ended:
+            gone = set(ended)
+            self.running = [s for s in self.running if s not in gone]
+            for seq in ended:
+                blocks.free(seq)
+                self._by_id.pop(seq.request_id, None)
+        failures = self.door.step_ended(results, now) if self.door.hearing["on_step_end"] else []
+        for seq in ended:
+            failures += self.door.finished(seq, now)
+        return failures
 
-    def abort(self, request_id: str) -> Sequence | None:
-        if (seq := self._by_id.get(request_id)) is None:
-            return None
-        self.remove(seq)
-        now = self.clock()
-        seq.finish(FinishReason.ABORT, now)
-        self.forget(seq, now)
-        return seq
+    # -- one step ------------------------------------------------------------
 
-    # -- the queues, for the planner -----------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        self.step_index += 1
+        now = self._now = self.clock()
+        self._ordered = None
+        door = self.door
+        self._state = state = SchedulerState(
+            now, self.step_index, LazyViews(self._waiting_order), tuple(s.view for s in self.running),
+            tuple(s.view for s in self.swapped), self.blocks.view,
+        )  # fmt: skip
+        limits = door.limits(state)
+        self._max_seqs = limits.max_num_seqs
+        self._tokens_left, self._seqs_left = limits.max_num_tokens, limits.max_num_seqs
+        self._out = SchedulerOutput(limits=limits)
+        self._tokens: dict[Sequence, int] = {}  # scheduled this step
+        self._views: list[Any] = []  # their views, for num_tokens(..., scheduled)
+        self._partials = 0
+        for phase in (self._run, self._swap_in, self._admit) if self.decode_first else (self._admit, self._run, self._swap_in):
+            phase()
+        self.num_partial_prefills += self._partials
+        return self._out
 
-    def state(self, now: float) -> SchedulerState:
-        # The waiting order is materialised on first read: by the budget policy at the start of the
-        # step, or by the waiting phase, which runs before any change to the queue or not at all (a
-        # step that preempted admits nothing). Most steps with every slot taken never read it.
-        if self.queue.fixed_keys:  # kept sorted by enqueue(); a copy, as admission removes from it
-            ordered = OrderedOnDemand(lambda: list(self.waiting))
-        else:
-            ordered = OrderedOnDemand(lambda: self.in_queue_order(self.waiting, now, lookup=True))
-        return SchedulerState(now, self.step_index, ordered, tuple(self.running), tuple(self.swapped), self.blocks)
+    def _waiting_order(self) -> list[Sequence]:
+        if self._ordered is None:
+            self._ordered = self.door.order(self.waiting, self._now)
+        return self._ordered
 
-    def in_queue_order(self, seqs: Seq[Sequence], now: float, lookup: bool = False) -> list[Sequence]:
-        """``seqs`` in queue order (a new list). ``lookup``: refresh cached prefixes first if the queue reads them."""
-        if self.queue.fixed_keys:
-            return sorted(seqs, key=self._keys.__getitem__)
-        if lookup and self.blocks.prefix_caching and self.queue.reads_cached_prefix(len(seqs)):
-            for seq in seqs:  # a cache-aware order needs fresh num_cached_prompt_tokens
-                self.blocks.lookup(seq)
-        return self.policies.order(seqs, now)
+    def _add(self, seq: Sequence, n: int) -> None:
+        if n < len(seq.token_ids) - seq.num_computed_tokens:
+            self._partials += 1
+        self._out.scheduled.append(ScheduledSeq(seq, n))
+        self._tokens[seq] = n
+        self._views.append(seq.view)
+        self._tokens_left -= n
+        self._seqs_left -= 1
 
-    def admitted(self, seq: Sequence, now: float) -> None:
-        """``seq`` leaves the waiting queue to run; a queue that declared fixed keys is held to it."""
-        if self.queue.fixed_keys and (key := self.queue.key(seq, now)) != (arrived := self._keys[seq]):
-            detail = f"{seq.request_id!r} arrived with key {arrived!r}, now {key!r}"
-            self.policies.error(self.queue, "with fixed_keys, key() never changes after arrival", detail, seq)
-        self.waiting.remove(seq)
-        seq.status = SequenceStatus.RUNNING
-        if seq.first_scheduled_time is None:
-            seq.first_scheduled_time = now
-        self.running.append(seq)
+    def _has_slot(self) -> bool:
+        return self._seqs_left > 0 and len(self.running) < self._max_seqs
 
-    def enqueue(self, seq: Sequence) -> None:
-        """Into the waiting queue; kept sorted when keys are fixed, so a step need not sort it."""
-        seq.status = SequenceStatus.WAITING
-        if self.queue.fixed_keys:
-            bisect.insort(self.waiting, seq, key=self._keys.__getitem__)
-        else:
-            self.waiting.append(seq)
+    def _run(self) -> None:
+        """Phase 1: the running sequences (rule 1)."""
+        door, blocks, now = self.door, self.blocks, self._now
+        order = [s for s in door.order(self.running, now) if s not in self._tokens]
+        decodes = [s for s in order if len(s.token_ids) - s.num_computed_tokens == 1]
+        prefills = [s for s in order if len(s.token_ids) - s.num_computed_tokens > 1]
+        for members, decoding in ((decodes, True), (prefills, False))[:: 1 if self.decode_first else -1]:
+            group = [s for s in members if s.status is RUNNING]  # a victim of the group before stays out
+            if decoding and self._all_decodes(group):
+                continue
+            for seq in group:
+                if seq.status is not RUNNING or seq in self._tokens:
+                    continue  # evicted as a victim earlier in this loop
+                if self._seqs_left <= 0 or self._tokens_left <= 0:
+                    break
+                n = door.num_tokens(seq, self._tokens_left, self._views)
+                if n <= 0:
+                    continue
+                while not blocks.try_grow(seq, n):  # evict until it fits (rule 1)
+                    if blocks.num_used_blocks == len(seq.block_table):
+                        self._fail(seq, seq.num_computed_tokens + n)
+                        break
+                    candidates = [s for s in self.running if s not in self._tokens]
+                    victim = door.victim(candidates, now) if len(candidates) > 1 else seq
+                    self._preempt(victim)
+                    if victim is seq:
+                        break
+                else:
+                    self._add(seq, n)
 
-    def remove(self, seq: Sequence) -> None:
-        """Out of whichever queue holds it, with its KV (device or host)."""
-        if seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
-            self.blocks.free(seq)
-        elif seq.status is SequenceStatus.SWAPPED:
+    def _all_decodes(self, decodes: list[Sequence]) -> bool:
+        """Schedule every decode at once if all of them fit: the common step, without
+        the per-sequence eviction checks (same plan and block ids as the loop would give)."""
+        if len(decodes) > min(self._seqs_left, self._tokens_left):
+            return False
+        needy = self.blocks.needing_a_block(decodes)
+        if len(needy) > self.blocks.num_free_blocks:
+            return False
+        for seq in needy:
+            self.blocks.grow(seq, 1)
+        self._out.scheduled.extend([ScheduledSeq(seq, 1) for seq in decodes])
+        self._tokens.update(dict.fromkeys(decodes, 1))
+        self._views.extend([s.view for s in decodes])
+        self._tokens_left -= len(decodes)
+        self._seqs_left -= len(decodes)
+        return True
+
+    def _swap_in(self) -> None:
+        """Phase 2: swapped-out sequences come back first (rule 2)."""
+        if not self.swapped:
+            return
+        evicted = set(self._out.preempted)
+        for seq in self.door.order(self.swapped, self._now):
+            if seq in evicted:
+                continue
+            if self._seqs_left <= 0 or self._tokens_left <= 0 or len(self.running) >= self._max_seqs:
+                break
+            n = self.door.num_tokens(seq, self._tokens_left, self._views)
+            if n <= 0 or not self.blocks.can_swap_in(seq, n):
+                break
+            self._out.swap_in.extend(self.blocks.swap_in(seq))
             self.swapped.remove(seq)
-            self.blocks.drop_host(seq)
-        elif seq.status is SequenceStatus.WAITING:
-            self.waiting.remove(seq)
+            seq.status = RUNNING
+            self.running.append(seq)
+            self.blocks.grow(seq, n)
+            self._add(seq, n)
 
-    def preempt(self, victim: Sequence, out: SchedulerOutput, now: float) -> None:
-        """Evict a running ``victim`` (its share of this step already taken back) by the policy's mode."""
+    def _admit(self) -> None:
+        """Phase 3: admissions in queue order, no overtaking (rules 3 and 5)."""
+        out, blocks, door, now = self._out, self.blocks, self.door, self._now
+        if out.preempted or out.swap_in or self.swapped or not self.waiting or self._tokens_left <= 0:
+            return
+        ordered = self._ordered if self._ordered is not None else door.order(self.waiting, now)
+        for seq in ordered:  # the list is unchanged while this phase runs
+            if self._tokens_left <= 0:
+                break
+            if seq.status is not WAITING or not door.may_admit(seq, self._state):
+                continue  # the budget's choice, not a lack of room: those behind may still fit
+            hit = blocks.acquire_cached(seq)  # the rest is what num_tokens and the budget see
+            n = door.num_tokens(seq, self._tokens_left, self._views)
+            fits = n > 0 and self._has_slot() and blocks.can_grow(seq, n)
+            if n > 0 and not fits:  # evict what it outranks, if that would make room (rule 3)
+                lower = []
+                for r in self.running:
+                    if door.outranks(seq, r, now):
+                        lower.append(r)
+                if blocks.num_free_blocks + blocks.num_freed_by(lower) >= blocks.blocks_needed(seq, n):
+                    while lower and not fits:
+                        victim = door.victim(lower, now)
+                        lower.remove(victim)
+                        self._preempt(victim)
+                        fits = self._has_slot() and blocks.can_grow(seq, n)
+            if not fits:
+                tokens = seq.num_computed_tokens + n
+                alone = n > 0 and self._has_slot() and blocks.num_used_blocks == len(seq.block_table)
+                if seq.block_table:  # give back the cached prefix it mapped
+                    blocks.free(seq)
+                seq.num_computed_tokens = 0
+                if not alone:
+                    break
+                self._fail(seq, tokens)  # alone in the cache and still too big: those behind may fit
+                continue
+            blocks.record_lookup(seq, hit)
+            self.waiting.remove(seq)
+            seq.status = RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+            self.running.append(seq)
+            blocks.grow(seq, n)
+            self._add(seq, n)
+
+    # -- memory pressure -----------------------------------------------------
+
+    def _preempt(self, victim: Sequence) -> None:
+        """Evict a running ``victim`` by the preemption policy's mode, taking back its share of this step."""
+        out = self._out
+        if victim in self._tokens:
+            n = self._tokens.pop(victim)
+            if n < len(victim.token_ids) - victim.num_computed_tokens:
+                self._partials -= 1
+            out.scheduled = [s for s in out.scheduled if s.seq is not victim]
+            self._views.remove(victim.view)
+            self._tokens_left += n
+            self._seqs_left += 1
         self.running.remove(victim)
-        swap = self.policies.preemption.mode == "swap"
+        swap = self.door.mode == "swap"
         if swap and self.blocks.can_swap_out(victim):
             out.swap_out.extend(self.blocks.swap_out(victim))
-            victim.status = SequenceStatus.SWAPPED
+            victim.status = SWAPPED
             self.swapped.append(victim)
         else:
             if swap:
                 self.num_swap_fallbacks += 1
-                log.warning(
-                    "host swap space full; recomputing instead",
-                    request_id=victim.request_id,
-                    host_free=self.blocks.num_free_host_blocks,
-                    needed=len(victim.block_table),
-                )
+                log.warning("host swap space full; recomputing instead", request_id=victim.request_id,
+                            host_free=self.blocks.num_free_host_blocks, needed=len(victim.block_table))  # fmt: skip
             self.blocks.free(victim)
             victim.num_computed_tokens = 0
-            self.enqueue(victim)
+            victim.status = WAITING
+            self.waiting.append(victim)
         victim.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted.append(victim)
-        self.policies.preempted(victim, now)
 
-    def forget(self, seq: Sequence, now: float) -> None:
-        self._by_id.pop(seq.request_id, None)
-        self._keys.pop(seq, None)
-        self.policies.finished(seq, now)
+    def _fail(self, seq: Sequence, tokens: int) -> None:
+        """End ``seq`` with an error: ``tokens`` tokens of it need more KV blocks than the whole cache has."""
+        blocks = self.blocks
+        message = (
+            f"request {seq.request_id!r} needs {blocks.blocks_for_tokens(tokens)} KV blocks for {tokens}"
+            f" tokens but the cache has {blocks.num_blocks} blocks of {blocks.block_size}; raise"
+            " kv_cache.num_blocks or lower max_new_tokens"
+        )
+        self._remove(seq)
+        seq.finish(FinishReason.ERROR, self._now, message)
+        self._out.failed.append(seq)
+        log.error("request failed", request_id=seq.request_id, error=message)
+
+    def _remove(self, seq: Sequence) -> None:
+        """Out of whichever queue holds it, with its KV (device or host)."""
+        if seq.status is RUNNING:
+            self.running.remove(seq)
+            self.blocks.free(seq)
+        elif seq.status is SWAPPED:
+            self.swapped.remove(seq)
+            self.blocks.drop_host(seq)
+        elif seq.status is WAITING:
+            self.waiting.remove(seq)
+            if seq.block_table:
+                self.blocks.free(seq)
 
 
 def build_scheduler(
@@ -225,12 +396,12 @@ def build_scheduler(
         return BlockManager(num_blocks, kv.block_size, host, prefix_caching=kv.prefix_caching)
 
     if sched.name is not None:
-        scheduler = registry.create("scheduler", sched.name, sched.params, "scheduler", blocks_with(0))
-        return scheduler, {id(scheduler): describe(scheduler, registry.get("scheduler", sched.name).origin)}
-    specs = {slot: getattr(sched, slot) for slot in SLOTS}
+        plugin = registry.create("scheduler", sched.name, sched.params, "scheduler", blocks_with(0))
+        guarded = GuardedScheduler(plugin, describe(plugin, registry.get("scheduler", sched.name).origin))
+        return guarded, guarded.names
+    specs: Mapping[str, Any] = {slot: getattr(sched, slot) for slot in SLOTS}
     policies = {slot: registry.create(slot, s.name, s.params, f"scheduler.{slot}") for slot, s in specs.items()}
+    door = Door(**policies, origins={slot: registry.get(slot, s.name).origin for slot, s in specs.items()})
     # swap space defaults to the size of the device pool
-    blocks = blocks_with(num_blocks if policies["preemption"].mode == "swap" else 0)
-    origins = {slot: registry.get(slot, s.name).origin for slot, s in specs.items()}
-    scheduler = PolicyScheduler(**policies, blocks=blocks, clock=clock, origins=origins)
-    return scheduler, scheduler.policies.names
+    blocks = blocks_with(num_blocks if door.mode == "swap" else 0)
+    return PolicyScheduler(door, blocks, clock, sched.order), door.names

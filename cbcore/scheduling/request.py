@@ -110,6 +110,45 @@ class RequestFields(BaseModel):
     attrs: Attrs = Field(default_factory=lambda: EMPTY_ATTRS)  # free-form JSON policies may read (read-only)
 
 
+def _params(value: object) -> SamplingParams:
+    if not isinstance(value, SamplingParams):
+        raise ValueError(f"params must be SamplingParams, got {type(value).__name__}")
+    return value
+
+
+def _arrival(value: object) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"arrival_time must be a number (finite seconds), got {value!r}")
+    return float(value)
+
+
+def _salt(value: object) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"cache_salt must be a string, got {type(value).__name__}")
+    return value
+
+
+class Request(RequestFields):
+    """Everything a request brings to the engine's door besides its prompt, checked strictly in one place."""
+
+    request_id: Annotated[str, BeforeValidator(nonempty_str)]
+    params: Annotated[SamplingParams, BeforeValidator(_params)]
+    arrival_time: Annotated[float | None, BeforeValidator(_arrival)] = None  # scheduler clock; None: now
+    cache_salt: Annotated[str | None, BeforeValidator(_salt)] = None  # only requests with one salt share cached KV
+
+    @classmethod
+    def checked(cls, **fields: Any) -> Request:
+        """The request, or a :class:`RequestError` naming every field that is wrong (and the request)."""
+        try:
+            return cls(**fields)
+        except (ValidationError, RequestError) as exc:
+            rid = fields.get("request_id")
+            where = f"request {rid!r}: " if isinstance(rid, str) and rid else ""
+            raise RequestError(where + (field_problems(exc) if isinstance(exc, ValidationError) else str(exc))) from None
+
+
 def field_problems(exc: ValidationError) -> str:
     """A :class:`RequestFields` error on one line: the field's own message (which names it), else ``field: why``."""
     return "; ".join(validation_problems(exc))

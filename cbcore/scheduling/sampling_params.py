@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from functools import cached_property
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 #: Temperatures below this are greedy: dividing logits by a smaller number
@@ -52,6 +55,11 @@ class SamplingParams(BaseModel):
             raise ValueError("stop_token_ids holds a negative id")
         return self
 
-    @property
+    @cached_property
     def greedy(self) -> bool:
+        """Decided once, when the params are validated (the sampler reads it for every row of every step)."""
         return self.temperature < GREEDY_BELOW
+
+    def model_copy(self, *, update: dict[str, Any] | None = None, deep: bool = False) -> SamplingParams:
+        """A copy with ``update`` applied, validated again like any SamplingParams."""
+        return type(self).model_validate(self.model_dump() | (update or {}))

@@ -1,4 +1,9 @@
-"""The Scheduler protocol and what one ``schedule()`` call decides."""
+"""The Scheduler protocol, what one ``schedule()`` call decides, and the errors a scheduler can cause.
+
+The composed scheduler (:mod:`cbcore.scheduling.policy_scheduler`) implements
+this protocol; so does a whole-scheduler plugin (``scheduler: {name: ...}``),
+which subclasses :class:`SchedulerPlugin`.
+"""
 
 from __future__ import annotations
 
@@ -17,18 +22,11 @@ from cbcore.scheduling.sequence import Sequence
 class ScheduledSeq:
     seq: Sequence
     num_tokens: int  # pending tokens of this sequence that run this step
-    # Fixed when scheduled (the sequence changes after the step): one
-    # generated token being fed back, as opposed to prompt (or recomputed) tokens.
-    is_decode: bool = field(init=False)
-
-    def __post_init__(self) -> None:
-        seq = self.seq
-        self.is_decode = len(seq.token_ids) - seq.num_computed_tokens == 1 and seq.num_output_tokens > 0
 
 
 @dataclass
 class SchedulerOutput:
-    """One step's plan: who runs with how many tokens, and the KV moves it needs first."""
+    """One step's decision: who runs with how many tokens, and the KV moves it needs first."""
 
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
@@ -36,18 +34,6 @@ class SchedulerOutput:
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
     failed: list[Sequence] = field(default_factory=list)  # finished with an error by the scheduler
     limits: StepLimits | None = None  # the step's budget, checked by the engine when set
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
-
-    @property
-    def num_decode_tokens(self) -> int:
-        return sum(1 for s in self.scheduled if s.is_decode)
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return self.num_tokens - self.num_decode_tokens
 
 
 @runtime_checkable
@@ -59,6 +45,8 @@ class Scheduler(Protocol):
     taken before every step and returns what puts the scheduler's *own* state
     (its queues, counters) back if the step fails; the engine restores the
     sequences and the block manager itself (:mod:`cbcore.scheduling.step`).
+    ``on_step_end`` is told what the committed step did; ``end`` removes a
+    request the engine ends outside a plan (an abort, a failed policy call).
     """
 
     blocks: BlockManager

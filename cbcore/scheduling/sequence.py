@@ -1,4 +1,4 @@
-"""One request's state as it moves through the engine."""
+"""One request's state as it moves through the engine, and the read-only view policies get of it."""
 
 from __future__ import annotations
 
@@ -30,12 +30,13 @@ class FinishReason(enum.StrEnum):
 
 @dataclass(eq=False)  # sequences are identities, kept in sets and dicts (C-level id hash)
 class Sequence:
-    """The mutable state of one request.
+    """The mutable state of one request; only the engine writes it.
 
     ``token_ids`` holds prompt and generated tokens in one list because the
     model sees them as one stream: after a recompute preemption the whole list
     is prefilled again, and ``num_computed_tokens`` says how much of it is
-    already in the KV cache.
+    already in the KV cache. Policies never see this object: they get
+    :attr:`view`, which reads it and cannot change it.
     """
 
     request_id: str
@@ -58,7 +59,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     error: str | None = None
 
-    # Timestamps (time.perf_counter seconds) for the metrics.
+    # Timestamps (scheduler clock seconds) for the metrics.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
@@ -74,13 +75,16 @@ class Sequence:
     num_cached_prompt_tokens: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
-    # Free-form per-sequence state that policies may keep (e.g. an MLFQ level).
-    policy_state: dict[str, object] = field(default_factory=dict, repr=False)
+    # The queue key, stored at arrival when the queue's keys never change (the built-in fcfs and
+    # priority without aging): the scheduler then sorts by it instead of asking the queue each step.
+    queue_key: Any = field(default=None, repr=False)
+    view: SeqView = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         if self.params.seed is not None:
             self.generator = torch.Generator(device="cpu").manual_seed(self.params.seed)
+        self.view = SeqView(self)
 
     @property
     def deadline(self) -> float | None:
@@ -110,7 +114,7 @@ class Sequence:
 
     @property
     def is_prefilling(self) -> bool:
-        return self.num_pending_tokens > 1
+        return len(self.token_ids) - self.num_computed_tokens > 1
 
     @property
     def is_finished(self) -> bool:
@@ -125,3 +129,75 @@ class Sequence:
     def finish(self, reason: FinishReason, now: float, error: str | None = None) -> None:
         self.status, self.finish_reason = SequenceStatus.FINISHED, reason
         self.finish_time, self.error = now, error
+
+
+_GONE = {
+    "policy_state": "keep per-request state on the policy itself, keyed by seq.request_id (and drop it in on_finish)",
+    "token_ids": "read prompt_token_ids and output_token_ids (tuples)",
+}
+
+
+class SeqView:
+    """What a policy is handed for a sequence: every field reads the live sequence, none can be written.
+
+    Counters are ints, containers are tuples (copies), ``attrs`` a read-only
+    mapping and ``params`` a frozen model, so nothing a policy does with its
+    arguments changes what the engine or another policy sees. One view per
+    sequence, made with it: identity and ``==`` work as on the sequence, and a
+    view kept after the request ended keeps reading its final state.
+    Underscored attributes are the engine's, outside that promise (like the
+    garbage collector or frames).
+    """
+
+    __slots__ = ("_seq", "_blocks", "request_id", "priority", "client_id", "arrival_time", "deadline_s", "attrs",
+                 "params", "prompt_token_ids", "num_prompt_tokens")  # fmt: skip
+
+    def __init__(self, seq: Sequence, blocks: Any = None) -> None:
+        put = object.__setattr__
+        put(self, "_seq", seq)
+        put(self, "_blocks", blocks)  # the block manager, for a waiting sequence's cached prefix
+        for name in self.__slots__[2:-2]:
+            put(self, name, getattr(seq, name))
+        put(self, "prompt_token_ids", tuple(seq.prompt_token_ids))
+        put(self, "num_prompt_tokens", len(seq.prompt_token_ids))
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"a policy cannot set {name!r}: sequences are read-only for policies; {_GONE['policy_state']}")
+
+    __delattr__ = __setattr__  # type: ignore[assignment]
+
+    def __getattr__(self, name: str) -> Any:  # only for names that are not fields
+        hint = _GONE.get(name)
+        raise AttributeError(f"a sequence view has no {name!r}" + (f": {hint}" if hint else ""))
+
+    def __repr__(self) -> str:
+        return f"SeqView({self.request_id!r})"
+
+    deadline = property(lambda self: self._seq.deadline)
+    num_computed_tokens = property(lambda self: self._seq.num_computed_tokens)
+    num_preemptions = property(lambda self: self._seq.num_preemptions)
+    num_tokens = property(lambda self: len(self._seq.token_ids))
+    num_output_tokens = property(lambda self: self._seq.num_output_tokens)
+    output_token_ids = property(lambda self: tuple(self._seq.output_token_ids))
+    block_table = property(lambda self: tuple(self._seq.block_table))
+    status = property(lambda self: self._seq.status.value)
+    finish_reason = property(lambda self: self._seq.finish_reason)
+
+    @property
+    def num_cached_prompt_tokens(self) -> int:
+        """Of the tokens it must prefill, how many the prefix cache holds: looked up now while it waits
+        (a policy that never reads it costs nothing), as found at admission once it runs."""
+        seq = self._seq
+        if seq.status is SequenceStatus.WAITING and self._blocks is not None:
+            return self._blocks.lookup(seq)
+        return seq.num_cached_prompt_tokens
+
+    @property
+    def num_pending_tokens(self) -> int:
+        seq = self._seq
+        return len(seq.token_ids) - seq.num_computed_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        seq = self._seq
+        return len(seq.token_ids) - seq.num_computed_tokens > 1

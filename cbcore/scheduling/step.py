@@ -3,7 +3,7 @@
 A scheduler is outside code (four policies, or a whole-scheduler plugin) and
 a wrong plan would not fail loudly: a sequence scheduled twice gets wrong
 tokens, a token without a KV slot overwrites another request's cache. So
-whatever produced the plan, :meth:`StepTransaction.plan` checks it before
+whatever produced the plan, :meth:`StepTransaction.check` checks it before
 the runner sees it — per scheduled sequence: scheduled once; running; an int
 ``1 .. pending`` tokens; a KV slot for each — and for the step: the budget's
 token and sequence limits, swap pairs naming real blocks, no host block both
@@ -17,18 +17,19 @@ state (full fields) and those that wait (their waiting state), the block
 manager (rebuilt from the restored tables, so nothing is recorded per
 block), the scheduler's own queues (``snapshot()``), and the RNG state of the
 rows that sample. :meth:`StepTransaction.commit` appends the sampled tokens
-and tells the scheduler; any failure before the end — a plugin raising, a
-refused plan, a failed forward or event handler — is undone by
-:meth:`StepTransaction.undo`, which returns the error naming the plugin
-frame it came from, the method and the request. Policies' own state is
-theirs: they see no event that a step was undone.
+and applies the finish rules: it and the undo are the only writers of a
+sequence once it is planned. Any failure before the step ends — a policy
+raising, a refused plan, a failed forward — is undone by
+:meth:`StepTransaction.undo`, and the engine is as it was: it can end the
+request a policy failed on and plan the step again without it. Policies see
+no event of a step that was undone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from operator import attrgetter
-from traceback import walk_tb
 from typing import Any
 
 from cbcore.scheduling.plan import RowPlan, Sampled, StepPlan
@@ -41,37 +42,24 @@ WINDOW_CAPACITIES = 4
 _seq_of = attrgetter("seq")
 
 
+@dataclass
 class Steps:
-    """The engine's standing rules for one scheduler: what to call it in errors, and its progress."""
+    """The engine's standing rules for one scheduler: how requests finish, what to call it, its progress."""
 
-    def __init__(self, scheduler: Scheduler, names: Mapping[int, str], clock: Callable[[], float]) -> None:
-        self.scheduler, self.names, self.clock = scheduler, dict(names), clock
-        policies = getattr(scheduler, "policies", None)
-        self.culprit = self.names.get(id(scheduler)) or (
-            policies.culprit if policies is not None else f"scheduler {type(scheduler).__name__}"
-        )
-        self.window = WINDOW_CAPACITIES * scheduler.blocks.capacity_tokens
-        self.spent = 0  # tokens computed since a token was last sampled
-        self.idle = 0  # steps in a row that computed nothing
-
-    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)``; an exception out of plugin code becomes a :class:`SchedulerError` naming it."""
-        try:
-            return fn(*args)
-        except Exception as exc:
-            if (err := self.named(exc)) is exc:
-                raise
-            raise err from exc
-
-    def named(self, exc: BaseException) -> BaseException:
-        return named(exc, self.names, after="; the engine is as before the step")
+    scheduler: Scheduler
+    culprit: str  # what to call the scheduler when no single policy broke a rule
+    clock: Callable[[], float]
+    eos_token_ids: frozenset[int] = frozenset()
+    max_model_len: int | None = None
+    spent: int = 0  # tokens computed since a token was last sampled
+    idle: int = 0  # steps in a row that computed nothing
 
     def observe(
         self, out: SchedulerOutput, computed: int, sampled: int, waiting: Callable[[], str] = lambda: "work"
     ) -> None:
         """The progress guarantee, for one checked plan (``waiting()`` says what waits, for the message)."""
         if computed == 0 and not out.failed:
-            if not self.call(self.scheduler.has_unfinished):
+            if not self.scheduler.has_unfinished():
                 return
             self.idle += 1
             moved = out.preempted or out.swap_out or out.swap_in
@@ -83,7 +71,7 @@ class Steps:
             return
         self.idle = 0
         self.spent = 0 if sampled else self.spent + computed
-        if self.spent > self.window:
+        if self.spent > WINDOW_CAPACITIES * self.scheduler.blocks.capacity_tokens:
             raise SchedulerStall(
                 f"{self.culprit} computed {self.spent} tokens without sampling one (more than {WINDOW_CAPACITIES}x "
                 "the KV cache's capacity): preemptions keep throwing work away, a livelock",
@@ -91,9 +79,19 @@ class Steps:
                 rule="preemptions do not undo all progress",
             )
 
+    def finish_rule(self, seq: Sequence, token: int, now: float) -> None:
+        """End ``seq`` if ``token`` stops it (EOS, a stop token) or it reached its length."""
+        params = seq.params
+        if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
+            seq.finish(FinishReason.STOP, now)
+        elif seq.num_output_tokens >= params.max_new_tokens or (
+            self.max_model_len is not None and len(seq.token_ids) >= self.max_model_len
+        ):
+            seq.finish(FinishReason.LENGTH, now)
+
 
 class StepTransaction:
-    """What one step changed, so that it can be undone; one per step."""
+    """What one step changed, so that it can be undone; one per step (and per re-planning of it)."""
 
     def __init__(self, steps: Steps, live: Iterable[Sequence]) -> None:
         self.steps = steps
@@ -106,36 +104,36 @@ class StepTransaction:
             else:
                 self.idle.append(s)
         self.blocks_point = sched.blocks.undo_point()
-        self.restore_own = steps.call(sched.snapshot)
+        self.restore_own = sched.snapshot()
         self.out: SchedulerOutput | None = None
         self.rng: list[tuple[Any, Any]] = []  # (generator, state before sampling)
         self.appended: list[tuple[Sequence, bool]] = []  # (seq, whether it had a first token before)
 
-    def plan(self) -> StepPlan:
-        """Ask the scheduler, check its answer, save the RNG of the rows that will sample."""
-        out = self.out = self.steps.call(self.scheduler.schedule)
+    def check(self, out: SchedulerOutput) -> StepPlan:
+        """Check the scheduler's answer and turn it into the runner's plan; save the RNG of the rows that sample."""
+        self.out = out
         plan, computed, sampled = check_plan(out, self.scheduler.blocks, self.steps.culprit)
         self.steps.observe(out, computed, sampled, lambda: f"{len(self.idle)} waiting, {len(self.held)} holding KV")
         self.rng = [(row.generator, row.generator.get_state()) for row in plan.rows if row.generator is not None]
         return plan
 
-    def commit(
-        self, sampled: Sampled, finish: Callable[[Sequence, int, float], None]
-    ) -> tuple[dict[Sequence, int], list[Sequence]]:
-        """Append each sampling row's token (``finish`` decides whether it ends there) and tell the scheduler.
+    def commit(self, sampled: Sampled) -> tuple[dict[Sequence, int], list[Sequence], list[StepResult]]:
+        """Append each sampling row's token, apply the finish rules; what the scheduler is then told.
 
-        Returns the new token of each sequence that sampled and the sequences
-        whose sampling failed (they alone end with an error).
+        Returns the new token of each sequence that sampled, the sequences
+        whose sampling failed (they alone end with an error), and the step's
+        results for the policies (the preempted included).
         """
         out = self.out
         assert out is not None
         now = self.steps.clock()
+        finish = self.steps.finish_rule
         new_token: dict[Sequence, int] = {}
         failed: list[Sequence] = []
         errors = sampled.errors or [None] * len(sampled.rows)
         for row, token, logprobs, error in zip(sampled.rows, sampled.tokens, sampled.logprobs, errors, strict=True):
             seq = out.scheduled[row].seq
-            seq.num_computed_tokens = seq.num_tokens
+            seq.num_computed_tokens = len(seq.token_ids)
             if error is not None:
                 seq.finish(FinishReason.ERROR, now, error)
                 failed.append(seq)
@@ -151,12 +149,12 @@ class StepTransaction:
             seq = item.seq
             if seq not in new_token and not seq.is_finished:  # a non-final prefill chunk
                 seq.num_computed_tokens += item.num_tokens
-            results.append(StepResult(seq, item.num_tokens, new_token.get(seq)))
-        self.scheduler.on_step_end(out, results)
-        return new_token, failed
+            results.append(StepResult(seq.view, item.num_tokens, new_token.get(seq)))
+        results += [StepResult(seq.view, 0, None, True) for seq in out.preempted]
+        return new_token, failed, results
 
-    def undo(self, exc: BaseException) -> BaseException:
-        """Put everything back as it was before the step; return ``exc`` named after its plugin."""
+    def undo(self) -> None:
+        """Put everything back as it was before the step."""
         for seq, had_first in reversed(self.appended):
             seq.token_ids.pop()
             seq.token_times.pop()
@@ -177,7 +175,6 @@ class StepTransaction:
                 seq.first_scheduled_time = None  # first admitted by the step being undone
             seq.finish_reason = seq.finish_time = seq.error = None
         self.scheduler.blocks.reset_to([held[0] for held in self.held], self.blocks_point)
-        return self.steps.named(exc)
 
 
 def check_plan(out: SchedulerOutput, blocks: Any, culprit: str) -> tuple[StepPlan, int, int]:
@@ -191,7 +188,7 @@ def check_plan(out: SchedulerOutput, blocks: Any, culprit: str) -> tuple[StepPla
     block_size, scheduled, running = blocks.block_size, out.scheduled, SequenceStatus.RUNNING
     rows: list[RowPlan] = []
     append = rows.append
-    total = sampled = 0
+    total = sampled = decodes = 0
     try:
         for item in scheduled:
             seq, n = item.seq, item.num_tokens
@@ -201,9 +198,13 @@ def check_plan(out: SchedulerOutput, blocks: Any, culprit: str) -> tuple[StepPla
             # The slice is n long only if n tokens are pending; n > 0; a slot for each; running.
             if not (len(ids) == n > 0 <= start and end <= len(table) * block_size and seq.status is running):
                 _diagnose(item, block_size, culprit)
-            samples = end == len(tokens)  # the row reaches the last token: it samples
-            sampled += samples
-            append(RowPlan(ids, start, table, seq.params, seq.generator) if samples else RowPlan(ids, start, table))
+            if end == len(tokens):  # the row reaches the last token: it samples
+                decode = n == 1 and start >= len(seq.prompt_token_ids)  # a generated token fed back
+                decodes += decode
+                sampled += 1
+                append(RowPlan(ids, start, table, seq.params, seq.generator, decode))
+            else:
+                append(RowPlan(ids, start, table))
             total += n
     except (AttributeError, TypeError) as exc:
         _fail(culprit, "each scheduled entry is a ScheduledSeq of a Sequence and an int", str(exc))
@@ -229,7 +230,7 @@ def check_plan(out: SchedulerOutput, blocks: Any, culprit: str) -> tuple[StepPla
                     _fail(culprit, "swap pairs name existing blocks", f"{what} pair {pair!r}")
         if {h for h, _ in out.swap_in} & {h for _, h in out.swap_out}:
             _fail(culprit, "no host block is swapped out and in in one step", "a host block is both")
-    return StepPlan(rows, out.swap_out, out.swap_in), total, sampled
+    return StepPlan(rows, out.swap_out, out.swap_in, total, decodes), total, sampled
 
 
 def _diagnose(item: Any, block_size: int, culprit: str) -> None:
@@ -252,58 +253,3 @@ def _diagnose(item: Any, block_size: int, culprit: str) -> None:
 def _fail(culprit: str, rule: str, detail: str, seq: Sequence | None = None) -> None:
     message = f"{culprit} broke the rule '{rule}': {detail}; nothing of this step was applied"
     raise SchedulerError(message, plugin=culprit, rule=rule, request_id=getattr(seq, "request_id", None))
-
-
-def named(exc: BaseException, names: Mapping[int, str], request_id: str | None = None, after: str = "") -> BaseException:
-    """``exc`` as a :class:`SchedulerError` naming the plugin frame it came from (else unchanged).
-
-    ``names`` maps ``id(plugin)`` to its description; ``request_id`` is the
-    request to name when the traceback shows none. Only errors are named: a
-    Ctrl-C or exit that lands while a policy runs is the caller's, not the policy's fault.
-    """
-    if isinstance(exc, SchedulerError) or not isinstance(exc, Exception) or not (found := blame(exc, names)):
-        return exc
-    plugin, method, blamed = found
-    rid = blamed or request_id
-    about = f" for request {rid!r}" if rid else ""
-    message = f"{plugin} raised in {method}(){about}: {type(exc).__name__}: {exc}{after}"
-    err = SchedulerError(message, plugin=plugin, rule=f"{method}() raised", request_id=rid)
-    err.__cause__ = exc
-    return err
-
-
-def blame(exc: BaseException, names: Mapping[int, str]) -> tuple[str, str, str | None] | None:
-    """(plugin, method, request id) of the plugin frame the exception came from, or None.
-
-    The engine looks in the traceback instead of wrapping every policy call,
-    so naming the culprit costs nothing on the steps that succeed. The first
-    plugin met from the outside is the one the engine or scheduler called;
-    its innermost frame is the method that raised (``key`` rather than the
-    ``order`` that called it). The request is one that method was looking at,
-    else the one the scheduler was serving when it called it.
-    """
-    found: tuple[str, str, str | None] | None = None
-    owner: object = None
-    outer: str | None = None  # the request a frame outside the plugin was working on
-    for frame, _ in walk_tb(exc.__traceback__):
-        local = frame.f_locals
-        obj = local.get("self")
-        if obj is not None and (owner is None or obj is owner) and id(obj) in names:
-            owner = obj
-            request = _request_in(local) or (found[2] if found else None) or outer
-            found = (names[id(obj)], frame.f_code.co_name, request)
-        elif owner is None:
-            outer = _request_in(local) or outer
-    return found
-
-
-def _request_in(local: Mapping[str, object]) -> str | None:
-    """A request a frame was looking at: a Sequence, or any SequenceView (another engine's, in cbcore_vllm)."""
-    for value in local.values():
-        try:  # any object may sit in a frame: reading it must not raise while an error is being named
-            rid = getattr(value, "request_id", None) if hasattr(value, "num_computed_tokens") else None
-        except Exception:
-            continue
-        if isinstance(rid, str):
-            return rid
-    return None

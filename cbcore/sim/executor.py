@@ -16,7 +16,6 @@ from cbcore.config import EngineConfig
 from cbcore.engine_core import EngineCore
 from cbcore.scheduling.plan import Sampled, StepPlan
 from cbcore.scheduling.policy_scheduler import build_scheduler
-from cbcore.scheduling.scheduler import SchedulerOutput
 from cbcore.sim.profile import Profile
 from cbcore.sim.shape import StepShape
 
@@ -51,8 +50,8 @@ class SimExecutor:
         self.block_size = block_size
         self.busy_s = 0.0
 
-    def prepare(self, out: SchedulerOutput, plan: StepPlan) -> StepShape:
-        return StepShape.of(out)
+    def prepare(self, plan: StepPlan) -> StepShape:
+        return StepShape.of(plan)
 
     def batch_of(self, shape: StepShape) -> None:
         return None

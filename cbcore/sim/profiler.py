@@ -27,7 +27,6 @@ from cbcore.kernels.native import hardware_name
 from cbcore.log import get_logger
 from cbcore.scheduling.plan import Sampled, StepPlan
 from cbcore.scheduling.sampling_params import SamplingParams
-from cbcore.scheduling.scheduler import SchedulerOutput
 from cbcore.sim.fitted import fit_cost
 from cbcore.sim.model_shape import ModelShape
 from cbcore.sim.profile import Identity, Profile
@@ -80,9 +79,9 @@ class ShapeRecorder:
         self.inner = inner
         self.shapes: list[StepShape] = []
 
-    def prepare(self, out: SchedulerOutput, plan: StepPlan) -> Any:
-        self.shapes.append(StepShape.of(out))
-        return self.inner.prepare(out, plan)
+    def prepare(self, plan: StepPlan) -> Any:
+        self.shapes.append(StepShape.of(plan))
+        return self.inner.prepare(plan)
 
     def batch_of(self, prepared: Any) -> Any:
         return self.inner.batch_of(prepared)

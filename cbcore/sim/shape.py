@@ -4,19 +4,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cbcore.scheduling.scheduler import SchedulerOutput
+from cbcore.scheduling.plan import StepPlan
 
 
 @dataclass(frozen=True, slots=True)
 class StepShape:
-    """The quantities a step-time model reads, computed from the scheduler's decision alone."""
+    """The quantities a step-time model reads, computed from the step's plan alone."""
 
     num_seqs: int
     prefill_tokens: int  # prompt or recomputed tokens (every token that is not a decode)
     decode_tokens: int
     attn_pairs: int  # query-key pairs: sum over rows of n*start + n(n+1)/2
     kv_tokens: int  # keys read: sum over rows of start + n
-    sample_rows: tuple[int, ...]  # indices in the schedule of the rows that sample
+    sample_rows: tuple[int, ...]  # indices in the plan of the rows that sample
     swap_blocks: int = 0
 
     @property
@@ -28,26 +28,25 @@ class StepShape:
         return len(self.sample_rows)
 
     @classmethod
-    def of(cls, out: SchedulerOutput) -> StepShape:
+    def of(cls, plan: StepPlan) -> StepShape:
         prefill = decode = pairs = keys = 0
         rows = []
-        for i, item in enumerate(out.scheduled):
-            seq, n = item.seq, item.num_tokens
-            start = seq.num_computed_tokens
-            if item.is_decode:
+        for i, row in enumerate(plan.rows):
+            n, start = len(row.token_ids), row.start
+            if row.decode:
                 decode += 1
             else:
                 prefill += n
             pairs += n * start + n * (n + 1) // 2
             keys += start + n
-            if start + n == len(seq.token_ids):
+            if row.params is not None:
                 rows.append(i)
         return cls(
-            num_seqs=len(out.scheduled),
+            num_seqs=len(plan.rows),
             prefill_tokens=prefill,
             decode_tokens=decode,
             attn_pairs=pairs,
             kv_tokens=keys,
             sample_rows=tuple(rows),
-            swap_blocks=len(out.swap_in) + len(out.swap_out),
+            swap_blocks=len(plan.swap_in) + len(plan.swap_out),
         )

@@ -11,7 +11,7 @@ from collections import Counter
 from collections.abc import Sequence as Seq
 
 from cbcore.scheduling.block_manager import BlockManager
-from cbcore.scheduling.prefix_hash import BlockHash, extend_hashes
+from cbcore.scheduling.block_manager import BlockHash, extend_hashes
 from cbcore.scheduling.sequence import Sequence
 
 

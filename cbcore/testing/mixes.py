@@ -46,7 +46,8 @@ POLICY_MIXES: dict[str, dict[str, Any]] = {
         "scheduler": {
             "queue": {"name": "fcfs"},
             "budget": {"name": "token-budget", "max_num_seqs": 5, "max_num_batched_tokens": 40},
-            "prefill": {"name": "whole-prompt", "order": "prefill-first"},
+            "prefill": {"name": "whole-prompt"},
+            "order": "prefill-first",
             "preemption": {"name": "recompute", "victim": "least-progress"},
         },
         "kv_cache": SMALL_KV,

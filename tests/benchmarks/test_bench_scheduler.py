@@ -19,6 +19,7 @@ import pytest
 
 from cbcore.plugins import get_registry
 from cbcore.scheduling.block_manager import BlockManager
+from cbcore.scheduling.door import Door
 from cbcore.scheduling.plan import RowPlan, StepPlan
 from cbcore.scheduling.policy_scheduler import PolicyScheduler
 from cbcore.scheduling.sampling_params import SamplingParams
@@ -72,7 +73,7 @@ def make_scheduler(kind: str, name: str, memory: str) -> PolicyScheduler:
     spare = 64 if memory == "tight" else 100_000
     blocks = BlockManager(running_blocks + spare, BLOCK_SIZE, num_host_blocks=running_blocks)
     clock = Clock()
-    sched = PolicyScheduler(**policies, blocks=blocks, clock=clock)
+    sched = PolicyScheduler(Door(**policies), blocks, clock)
     params = SamplingParams(max_new_tokens=128)
     for i in range(NUM_RUNNING + NUM_WAITING):
         prompt = [3 + (i * 7 + j) % 500 for j in range(prompt_len(i, memory))]
@@ -96,10 +97,10 @@ def test_schedule_cost(benchmark, kind: str, name: str, memory: str) -> None:
     out = benchmark.pedantic(
         lambda s: s.schedule(), setup=lambda: ((make_scheduler(kind, name, memory),), {}), rounds=15
     )
-    decodes = sum(1 for s in out.scheduled if s.is_decode)
+    decodes = sum(1 for s in out.scheduled if s.num_tokens == s.seq.num_pending_tokens == 1 and s.seq.num_output_tokens)
     if memory == "roomy":
         assert decodes == NUM_RUNNING
-        assert out.num_tokens == BUDGET["max_num_batched_tokens"] or name == "whole-prompt"
+        assert sum(s.num_tokens for s in out.scheduled) == BUDGET["max_num_batched_tokens"] or name == "whole-prompt"
         assert len(out.scheduled) > NUM_RUNNING  # waiting prompts were admitted too
     else:
         assert out.preempted and decodes + len(out.preempted) == NUM_RUNNING
@@ -137,7 +138,7 @@ def test_plan_check_cost(benchmark, checked: bool) -> None:
     blocks = sched.blocks
     if checked:
         plan, tokens, _ = benchmark(check_plan, out, blocks, "bench")
-        assert tokens == out.num_tokens
+        assert tokens == sum(s.num_tokens for s in out.scheduled)
     else:
         plan = benchmark(_unchecked_plan, out)
     assert len(plan.rows) == len(out.scheduled) > NUM_RUNNING

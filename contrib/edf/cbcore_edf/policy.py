@@ -71,22 +71,28 @@ class EarliestDeadlineFirst(QueuePolicy):
 
     def __init__(self, params: EDFParams | None = None) -> None:
         super().__init__(params)
-        self.preempts_running = self.params.preempt_running
-        # Without demotion a key never changes once the request has arrived.
-        self.fixed_keys = not self.params.demote
         self.demoted: set[str] = set()
+        self.live: dict[str, SequenceView] = {}  # requests with a deadline, for demotion at each step's end
         # Intervals between the last steps: a running request gains one token per step, so their
         # median is the time a remaining token takes (the median ignores the gap after an idle spell).
         self.step_intervals: deque[float] = deque(maxlen=STEPS_MEASURED)
         self._last_step: float | None = None
 
+    def on_arrival(self, seq: SequenceView, now: float) -> None:
+        if self.params.demote and seq.deadline is not None:
+            self.live[seq.request_id] = seq
+
     def on_step_end(self, results: Seq[StepResult], now: float) -> None:
         if self._last_step is not None and now > self._last_step:
             self.step_intervals.append(now - self._last_step)
         self._last_step = now
+        for rid, seq in self.live.items():  # once it cannot make its deadline, it stays demoted
+            if rid not in self.demoted and self.hopeless(seq, now):
+                self.demoted.add(rid)
 
     def on_finish(self, seq: SequenceView, now: float) -> None:
         self.demoted.discard(seq.request_id)
+        self.live.pop(seq.request_id, None)
 
     def token_time(self) -> float:
         """Seconds a remaining output token is expected to take: the parameter, or the measured steps."""
@@ -102,10 +108,7 @@ class EarliestDeadlineFirst(QueuePolicy):
         if deadline is None:
             return False
         remaining = max(seq.params.max_new_tokens - seq.num_output_tokens, 0)
-        if now + self.token_time() * remaining > deadline:
-            self.demoted.add(seq.request_id)
-            return True
-        return False
+        return now + self.token_time() * remaining > deadline
 
     def rank(self, seq: SequenceView, now: float) -> tuple[int, float]:
         """(class, time by which it should be done): the first part of the sort key."""
@@ -124,6 +127,8 @@ class EarliestDeadlineFirst(QueuePolicy):
 
         Within the fallback class nobody outranks anybody: evicting by arrival order would only thrash.
         """
+        if not self.params.preempt_running:
+            return False
         (class_a, due_a), (class_b, due_b) = self.rank(a, now), self.rank(b, now)
         if class_a != class_b:
             return class_a < class_b

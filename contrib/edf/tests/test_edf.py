@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from cbcore_edf import EarliestDeadlineFirst, EDFDemote, EDFParams
+from cbcore_edf.policy import EDFDemoteParams
 
 from cbcore.bench.generator import generate
 from cbcore.bench.suite import BenchResult
@@ -27,7 +28,6 @@ def ids(policy: EarliestDeadlineFirst, seqs: list[Sequence], now: float) -> list
 def test_earliest_deadline_first_then_the_fallback_class_in_arrival_order() -> None:
     seqs = [seq("none-early", 0.0, None), seq("late-dl", 1.0, 9.0), seq("soon-dl", 2.0, 1.0), seq("none-late", 3.0, None)]
     edf = EarliestDeadlineFirst()
-    assert edf.fixed_keys  # without demotion a key never changes: the scheduler sorts once
     assert ids(edf, seqs, now=3.0) == ["soon-dl", "late-dl", "none-early", "none-late"]
     # With a fallback deadline, requests without one compete as if due that long after arrival.
     fallback = EarliestDeadlineFirst(EDFParams(fallback_deadline_s=5.0))
@@ -38,12 +38,17 @@ def test_demotion_moves_hopeless_requests_into_the_fallback_class_and_keeps_them
     missed, on_time, none = seq("missed", 0.0, 1.0), seq("on-time", 1.0, 10.0), seq("none", 0.5, None)
     plain, demote = EarliestDeadlineFirst(), EDFDemote()
     assert demote.token_time() == 0.0  # no step measured yet: demoted once late
-    assert demote.params.demote and not demote.fixed_keys
+    assert demote.params.demote
+    for s in (missed, on_time, none):
+        demote.on_arrival(s.view, now=0.0)
     assert ids(plain, [on_time, none, missed], now=2.0) == ["missed", "on-time", "none"]
     # Past its deadline at t=2: it joins the fallback class, by arrival (before "none", which came later).
     assert ids(demote, [on_time, none, missed], now=2.0) == ["on-time", "missed", "none"]
-    assert demote.outranks(on_time, missed, now=2.0) and not demote.outranks(missed, none, now=2.0)
-    assert ids(demote, [on_time, none, missed], now=0.0) == ["on-time", "missed", "none"]  # stays demoted
+    assert not demote.outranks(on_time, missed, now=2.0)  # no preemptive admission unless asked
+    eager = EDFDemote(EDFDemoteParams(preempt_running=True))
+    assert eager.outranks(on_time, missed, now=2.0) and not eager.outranks(missed, none, now=2.0)
+    demote.on_step_end([], now=2.0)  # a step ends while it is hopeless: from then on it stays demoted
+    assert ids(demote, [on_time, none, missed], now=0.0) == ["on-time", "missed", "none"]
     demote.on_finish(missed, now=3.0)
     assert "missed" not in demote.demoted
 
@@ -53,6 +58,8 @@ def test_demote_tpot_demotes_before_the_deadline_when_the_remaining_tokens_canno
     tight, loose = seq("tight", 0.0, 2.0, cap=30), seq("loose", 0.0, 4.0, cap=5)
     # At t=0 "tight" needs at least 30 x 0.1 = 3 s but is due in 2 s: demoted though not yet late.
     assert ids(policy, [tight, loose], now=0.0) == ["loose", "tight"]
+    policy.on_arrival(tight.view, now=0.0)
+    policy.on_step_end([], now=0.0)  # demoted as the step ends
     tight.token_ids.extend([7] * 29)  # but once nearly done, a fresh check would pass: demotion is sticky
     assert policy.hopeless(tight, now=0.0)
 

@@ -12,7 +12,8 @@ prefill alone, so a request joins the highest level whose quantum covers its
 prompt's cost (``num_prompt_tokens * prompt_token_cost`` generated-token
 equivalents) instead of always the top one. Optionally a request that has
 waited ``promote_after_s`` seconds without producing a token goes back to the
-top level, so the lowest level cannot starve.
+top level, so the lowest level cannot starve (checked as each step ends:
+levels change only in events, so ordering never changes what it orders by).
 """
 
 from __future__ import annotations
@@ -54,7 +55,6 @@ class SkipJoinMLFQ(QueuePolicy):
 
     def __init__(self, params: MLFQParams | None = None) -> None:
         super().__init__(params)
-        self.preempts_running = self.params.preempt_running
         self.levels: dict[str, int] = {}  # request -> current level
         self._used: dict[str, int] = {}  # request -> tokens generated at its current level
         self._last_served: dict[str, float] = {}
@@ -72,16 +72,9 @@ class SkipJoinMLFQ(QueuePolicy):
         return self.params.num_levels - 1
 
     def level(self, seq: SequenceView, now: float) -> int:
-        rid = seq.request_id
-        if rid not in self.levels:  # not seen arriving: place it as if it just did
-            self.on_arrival(seq, now)
-        limit = self.params.promote_after_s
-        if limit is not None and self.levels[rid] > 0 and now - self._last_served[rid] > limit:
-            self.levels[rid] = 0
-            self._used[rid] = 0
-            self._last_served[rid] = now
-            self.num_promotions += 1
-        return self.levels[rid]
+        """Its current level (one not seen arriving is placed as if it just did)."""
+        level = self.levels.get(seq.request_id)
+        return self.entry_level(seq) if level is None else level
 
     # -- events --------------------------------------------------------------
 
@@ -92,6 +85,12 @@ class SkipJoinMLFQ(QueuePolicy):
 
     def on_step_end(self, results: Seq[StepResult], now: float) -> None:
         last = self.params.num_levels - 1
+        limit = self.params.promote_after_s
+        if limit is not None:  # back to the top after waiting too long for a token
+            for rid, level in self.levels.items():
+                if level > 0 and now - self._last_served[rid] > limit:
+                    self.levels[rid], self._used[rid], self._last_served[rid] = 0, 0, now
+                    self.num_promotions += 1
         for r in results:
             rid = r.seq.request_id
             if r.new_token is None or rid not in self.levels:
@@ -114,4 +113,4 @@ class SkipJoinMLFQ(QueuePolicy):
         return (self.level(seq, now), seq.arrival_time, seq.request_id)
 
     def outranks(self, a: SequenceView, b: SequenceView, now: float) -> bool:
-        return self.level(a, now) < self.level(b, now)
+        return self.params.preempt_running and self.level(a, now) < self.level(b, now)

@@ -49,7 +49,6 @@ class ShortestPredictedJobFirst(QueuePolicy):
 
     def __init__(self, params: SJFParams | None = None) -> None:
         super().__init__(params)
-        self.preempts_running = self.params.preempt_running
         self.predict: Callable[[SequenceView], float] = resolve_predictor(self.params.predictor)
         self.predicted: dict[str, float] = {}  # request -> predicted output tokens, fixed at arrival
 
@@ -63,7 +62,7 @@ class ShortestPredictedJobFirst(QueuePolicy):
         """Predicted remaining output tokens, shrunk by the time waited since arrival."""
         predicted = self.predicted.get(seq.request_id)
         if predicted is None:  # arrived before this policy existed (not through the scheduler)
-            predicted = self.predicted[seq.request_id] = float(self.predict(seq))
+            predicted = float(self.predict(seq))
         remaining = max(predicted - seq.num_output_tokens, 0.0)
         if self.params.aging_s is None:
             return remaining
@@ -73,4 +72,4 @@ class ShortestPredictedJobFirst(QueuePolicy):
         return (self.size(seq, now), seq.arrival_time, seq.request_id)
 
     def outranks(self, a: SequenceView, b: SequenceView, now: float) -> bool:
-        return self.size(a, now) < self.size(b, now)
+        return self.params.preempt_running and self.size(a, now) < self.size(b, now)

@@ -2,7 +2,7 @@
 
 The rest of the package imports cbcore only through this module, so a move
 inside cbcore's core is a one-file change here. The policies are asked
-through cbcore's own :class:`PolicySet` (each answer checked, each error named
+through cbcore's own :class:`Door` (each answer checked, each failure named
 as cbcore's engine names it) and requests are checked by cbcore's own
 :class:`RequestFields`: a plugin behaves, and misbehaves, the same in both
 engines because it meets the same code.
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from cbcore.config import SLOTS, ConfigError, EngineConfig, format_validation_error
 from cbcore.plugins import PluginError, get_registry
+from cbcore.scheduling.door import Door, PolicyError
 from cbcore.scheduling.policy import (
     BudgetPolicy,
-    Policy,
     PreemptionPolicy,
     PrefillPolicy,
     QueuePolicy,
@@ -23,15 +23,14 @@ from cbcore.scheduling.policy import (
     StepLimits,
     StepResult,
 )
-from cbcore.scheduling.policy_set import PolicySet
+from cbcore.scheduling.policy_scheduler import LazyViews
 from cbcore.scheduling.request import EMPTY_ATTRS, RequestFields, field_problems
 from cbcore.scheduling.sampling_params import SamplingParams
 from cbcore.scheduling.scheduler import SchedulerError
-from cbcore.scheduling.step import named
-from cbcore.scheduling.step_planner import OrderedOnDemand
 
-# The built-in prefill policies the adapter translates into vLLM's own knobs.
+# The built-in policies the adapter translates into vLLM's own knobs, or refuses.
 from cbcore.policies.chunked_prefill import ChunkedPrefill  # isort: skip
+from cbcore.policies.lpm import LongestPrefixMatch  # isort: skip
 from cbcore.policies.whole_prompt import WholePrompt  # isort: skip
 
 __all__ = [
@@ -40,11 +39,12 @@ __all__ = [
     "BudgetPolicy",
     "ChunkedPrefill",
     "ConfigError",
+    "Door",
     "EngineConfig",
-    "OrderedOnDemand",
+    "LazyViews",
+    "LongestPrefixMatch",
     "PluginError",
-    "Policy",
-    "PolicySet",
+    "PolicyError",
     "PreemptionPolicy",
     "PrefillPolicy",
     "QueuePolicy",
@@ -59,5 +59,4 @@ __all__ = [
     "field_problems",
     "format_validation_error",
     "get_registry",
-    "named",
 ]

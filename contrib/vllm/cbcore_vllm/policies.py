@@ -13,8 +13,10 @@ from cbcore_vllm._cbcore import (
     SLOTS,
     ChunkedPrefill,
     ConfigError,
+    Door,
     EngineConfig,
-    PolicySet,
+    LongestPrefixMatch,
+    QueuePolicy,
     WholePrompt,
     get_registry,
 )
@@ -32,36 +34,42 @@ class Chunking:
     long_prefill_token_threshold: int  # 0: no cap beyond the step's token budget
 
 
-def build(config: EngineConfig) -> PolicySet:
+def build(config: EngineConfig) -> Door:
     """One instance per slot, made by cbcore's registry (params validated by each plugin's model)."""
     registry = get_registry(tuple(config.plugins))
     specs = {slot: getattr(config.scheduler, slot) for slot in SLOTS}
     made = {slot: registry.create(slot, s.name, s.params, f"scheduler.{slot}") for slot, s in specs.items()}
-    return PolicySet(**made, origins={slot: registry.get(slot, s.name).origin for slot, s in specs.items()})
+    return Door(**made, origins={slot: registry.get(slot, s.name).origin for slot, s in specs.items()})
 
 
-def refuse_unsupported(p: PolicySet) -> None:
+def refuse_unsupported(p: Door, config: EngineConfig) -> None:
     """Raise :class:`RefusedPolicy` for anything vLLM's scheduler cannot honour exactly."""
     q, pre = p.names[id(p.queue)], p.names[id(p.preemption)]
-    if p.queue.preempts_running:
+    preemptive = getattr(p.queue.params, "preempt_running", type(p.queue).outranks is not QueuePolicy.outranks)
+    if preemptive:
         raise RefusedPolicy(
-            f"{q}: preempts_running (a waiting request evicting running ones it outranks) cannot be honoured: "
+            f"{q}: preemptive admission (outranks(): a waiting request evicting running ones) cannot be honoured: "
             "vLLM's scheduler preempts only to let a running request grow, never to admit a waiting one"
             + ("; set preempt_running: false" if "preempt_running" in type(p.queue.params).model_fields else "")
         )
-    if p.queue.reads_cached_prefix(1):
+    if isinstance(p.queue, LongestPrefixMatch):
         raise RefusedPolicy(
             f"{q}: its order reads num_cached_prompt_tokens of waiting requests, but vLLM looks a request up "
             "in its prefix cache only when admitting it"
         )
-    if p.preemption.mode != "recompute":
+    if p.mode != "recompute":
         raise RefusedPolicy(
-            f"{pre}: mode {p.preemption.mode!r} cannot be honoured: vLLM's scheduler preempts by recompute only "
+            f"{pre}: mode {p.mode!r} cannot be honoured: vLLM's scheduler preempts by recompute only "
             "(its CPU offloading is a KV connector, not a preemption mode); use recompute"
+        )
+    if config.scheduler.order != "decode-first":
+        raise RefusedPolicy(
+            f"scheduler.order {config.scheduler.order!r} cannot be honoured: vLLM schedules running requests "
+            "before waiting ones in every step (decode-first)"
         )
 
 
-def chunking(p: PolicySet, max_num_batched_tokens: int, max_model_len: int) -> Chunking:
+def chunking(p: Door, max_num_batched_tokens: int, max_model_len: int) -> Chunking:
     """vLLM's chunking for the prefill policy; RefusedPolicy for one it cannot express.
 
     vLLM sizes each prefill inline (pending tokens, capped by one per-step
@@ -70,11 +78,6 @@ def chunking(p: PolicySet, max_num_batched_tokens: int, max_model_len: int) -> C
     """
     name = p.names[id(p.prefill)]
     prefill = p.prefill
-    if prefill.order != "decode-first":
-        raise RefusedPolicy(
-            f"{name}: order {prefill.order!r} cannot be honoured: vLLM schedules running requests before "
-            "waiting ones in every step (decode-first)"
-        )
     if type(prefill) is WholePrompt:
         if max_num_batched_tokens < max_model_len:
             raise RefusedPolicy(

@@ -17,9 +17,9 @@ decide and where it enters vLLM's ``schedule()``:
 * prefill chunks -- translated once into vLLM's chunking knobs (policies.py).
 
 Events reach every policy with the same views and at the same points as in
-cbcore's engine: ``on_arrival`` (add_request), ``on_preempt``
-(_preempt_request), ``on_step_end`` then ``on_finish`` (update_from_output),
-``on_finish`` on abort (finish_requests).
+cbcore's engine: ``on_arrival`` (add_request), ``on_step_end`` (with the
+preempted) then ``on_finish`` (update_from_output), ``on_finish`` on abort
+(finish_requests).
 """
 
 from __future__ import annotations
@@ -37,9 +37,8 @@ from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 
-from cbcore_vllm._cbcore import ConfigError, OrderedOnDemand, SchedulerState, StepResult
+from cbcore_vllm._cbcore import ConfigError, LazyViews, PolicyError, SchedulerState, StepResult
 from cbcore_vllm.config import TESTED_VLLM, StepClock, parse
-from cbcore_vllm.guard import Guard
 from cbcore_vllm.policies import build, chunking, refuse_unsupported
 from cbcore_vllm.queue import PolicyRequestQueue
 from cbcore_vllm.refusal import Refusals
@@ -66,7 +65,7 @@ class Scheduler(VllmScheduler):
                 "(on_step_end) before the next step is planned, as in cbcore's engine"
             )
         self._policies = build(config)
-        refuse_unsupported(self._policies)
+        refuse_unsupported(self._policies, config)
         chunks = chunking(self._policies, sc.max_num_batched_tokens, vllm_config.model_config.max_model_len)
         if sc.long_prefill_token_threshold not in (0, chunks.long_prefill_token_threshold):
             raise ConfigError(
@@ -77,7 +76,6 @@ class Scheduler(VllmScheduler):
         sc.long_prefill_token_threshold = chunks.long_prefill_token_threshold
         super().__init__(vllm_config, *args, **kwargs)
 
-        self._guard = Guard(self._policies.names)
         self.policy = SchedulingPolicy.FCFS  # vLLM's victim path that reads running[-1] (see running.py)
         self.waiting = PolicyRequestQueue(self._order_requests)
         self.kv_holding_waiting = PolicyRequestQueue(self._order_requests)
@@ -85,7 +83,7 @@ class Scheduler(VllmScheduler):
         self._step = 0
         self._now = self._read_clock()
         self._views: dict[str, RequestView] = {}
-        self._keys: dict[Request, Any] = {}  # stored queue keys when the queue policy has fixed_keys
+        self._preempted: list[RequestView] = []  # this step's, for on_step_end
         self._kv_view = KVCacheView(self.kv_cache_manager, self.block_size)
         self._vllm_max_tokens = self.max_num_scheduled_tokens
         self._vllm_max_seqs = self.max_num_active_reqs
@@ -95,7 +93,7 @@ class Scheduler(VllmScheduler):
         self._wrap_allocate_slots()
         log.info(
             "cbcore policies decide in vLLM's scheduler",
-            policies=[self._policies.name_of(p) for p in self._policies],
+            policies=[self._policies.names[id(p)] for p in self._policies.policies],
             chunked_prefill=chunks.enable_chunked_prefill,
             long_prefill_token_threshold=chunks.long_prefill_token_threshold,
             clock="wall" if self._clock_step_s is None else f"{self._clock_step_s} s per step",
@@ -107,19 +105,15 @@ class Scheduler(VllmScheduler):
         return time.monotonic() if self._clock_step_s is None else self._step * self._clock_step_s
 
     def _order_requests(self, requests: list[Request]) -> list[Request]:
-        queue = self._policies.queue
-        if queue.fixed_keys:
-            return sorted(requests, key=self._keys.__getitem__)
         views = [self._views[r.request_id] for r in requests]
-        return [v.request for v in self._guard.call(self._policies.order, views, self._now)]
+        return [v.request for v in self._policies.order(views, self._now)]
 
     def _admits(self, request: Request) -> bool:
-        view = self._views[request.request_id]
-        return bool(self._guard.call(self._policies.budget.may_admit, view, self._state, request_id=view.request_id))
+        return self._policies.may_admit(self._views[request.request_id], self._state)
 
     def _choose_victim(self, candidates: list[Request]) -> Request:
         views = [self._views[r.request_id] for r in candidates]
-        return self._guard.call(self._policies.victim, views, self._now).request
+        return self._policies.victim(views, self._now).request
 
     def _wrap_allocate_slots(self) -> None:
         """Note which request asks for blocks: the running loop's victim candidates start there."""
@@ -141,13 +135,13 @@ class Scheduler(VllmScheduler):
         self._state = SchedulerState(
             now=self._now,
             step=self._step,
-            waiting=OrderedOnDemand(lambda: [views[r.request_id] for r in self.waiting.ordered()]),
+            waiting=LazyViews(lambda: [views[r.request_id] for r in self.waiting.ordered()]),
             running=tuple(views[r.request_id] for r in self.running),
             swapped=(),
             kv=self._kv_view,
         )
         budget = self._policies.budget
-        limits = self._guard.call(self._policies.limits, self._state)
+        limits = self._policies.limits(self._state)
         if not self._clamp_noted and (
             limits.max_num_tokens > self._vllm_max_tokens or limits.max_num_seqs > self._vllm_max_seqs
         ):
@@ -160,7 +154,6 @@ class Scheduler(VllmScheduler):
             )
         self.max_num_scheduled_tokens = min(self._vllm_max_tokens, limits.max_num_tokens)
         self.max_num_active_reqs = min(self._vllm_max_seqs, limits.max_num_seqs)
-        self._guard.call(self._policies.prefill.begin_step)
         in_order = self._order_requests(list(self.running))
         decodes = [r for r in in_order if not views[r.request_id].is_prefilling]
         prefills = [r for r in in_order if views[r.request_id].is_prefilling]
@@ -200,9 +193,13 @@ class Scheduler(VllmScheduler):
                 continue
             grew = view.request.num_output_tokens > before.get(rid, view.request.num_output_tokens)
             results.append(StepResult(seq=view, num_computed=n, new_token=view.request.output_token_ids[-1] if grew else None))
-        self._guard.call(self._policies.step_ended, results, self._now)
+        results += [StepResult(seq=view, num_computed=0, new_token=None, preempted=True) for view in self._preempted]
+        self._preempted = []
+        failures = self._policies.step_ended(results, self._now)
         for view in finished:
             self._tell_finish(view)
+        if failures:  # vLLM cannot end one request from here: its engine stops, naming the plugin
+            raise failures[0]
         return outputs
 
     # -- events --------------------------------------------------------------
@@ -218,28 +215,22 @@ class Scheduler(VllmScheduler):
             self._refusals.refuse(self, request, str(exc))
             return
         try:  # as in cbcore: if a policy raises, the request is not added and those told see it finish
+            if self._policies.fixed_keys:
+                view.queue_key = self._policies.key(view, now)
             self._policies.arrived(view, now)
-            try:
-                if self._policies.queue.fixed_keys:
-                    self._keys[request] = self._policies.queue.key(view, now)
-            except Exception:
-                self._policies.unarrive(view, now)
-                raise
-        except Exception as exc:
-            self._refusals.refuse(self, request, str(self._guard.named(exc, request.request_id)))
+        except PolicyError as exc:
+            self._refusals.refuse(self, request, str(exc))
             return
         self._views[request.request_id] = view
         super().add_request(request)
 
     def _preempt_request(self, request: Request, timestamp: float, drop_stale_output: bool = False) -> None:
         super()._preempt_request(request, timestamp, drop_stale_output)
-        self._guard.call(self._policies.preempted, self._views[request.request_id], self._now,
-                         request_id=request.request_id)  # fmt: skip
+        self._preempted.append(self._views[request.request_id])
 
     def _free_request(self, request: Request, delay_free_blocks: bool = False) -> Any:
         result = super()._free_request(request, delay_free_blocks)
         view = self._views.pop(request.request_id, None)
-        self._keys.pop(request, None)
         if view is not None:
             if self._finished_in_update is not None:  # told after on_step_end, as cbcore's engine does
                 self._finished_in_update.append(view)
@@ -248,7 +239,7 @@ class Scheduler(VllmScheduler):
         return result
 
     def _tell_finish(self, view: RequestView) -> None:
-        self._guard.call(self._policies.finished, view, self._read_clock(), request_id=view.request_id)
+        self._policies.finished(view, self._read_clock())  # a failure is logged: the request has ended
 
     def get_num_unfinished_requests(self) -> int:
         # A refused request still needs one step to be reported finished (with an error).

@@ -1,8 +1,7 @@
 """cbcore's policy views over vLLM's own objects: a ``Request`` seen as a ``SequenceView``.
 
 One view per request for its whole life, so that a policy keeping state by
-identity (``seq in self.seen``) or in ``seq.policy_state`` sees the same
-object in every event, as in cbcore's engine. The fields read vLLM's request
+identity (``seq in self.seen``) sees the same object in every event, as in cbcore's engine. The fields read vLLM's request
 live; the per-request fields vLLM does not have (client id, deadline,
 attributes) come from the request's ``vllm_xargs`` and are checked with
 cbcore's own rules when the request arrives.
@@ -83,7 +82,7 @@ class RequestView:
         "deadline_s",
         "num_cached_prompt_tokens",
         "params",
-        "policy_state",
+        "queue_key",
         "request",
     )
 
@@ -94,7 +93,12 @@ class RequestView:
         self.client_id, self.deadline_s, self.attrs = policy_fields(request.sampling_params)
         self.params = cbcore_params(request.sampling_params)
         self.num_cached_prompt_tokens = 0
-        self.policy_state: dict[str, object] = {}
+        self.queue_key: Any = None  # stored at arrival for a queue whose keys never change
+
+    @property
+    def view(self) -> RequestView:
+        """What cbcore's door hands a policy: this view itself."""
+        return self
 
     def __repr__(self) -> str:
         return f"RequestView({self.request_id!r})"

@@ -75,8 +75,8 @@ CONFIG_ERRORS: dict[str, tuple[dict[str, Any], str]] = {
         "additional_config.cbcore.kv_cache: inside vLLM this is decided by --block-size",
     ),
     "prefill-first": (
-        {"plugins": [PLUGIN], "scheduler": {"prefill": {"name": "whole-prompt", "order": "prefill-first"}}},
-        "prefill policy 'whole-prompt' (built-in): order 'prefill-first' cannot be honoured",
+        {"plugins": [PLUGIN], "scheduler": {"prefill": {"name": "whole-prompt"}, "order": "prefill-first"}},
+        "scheduler.order 'prefill-first' cannot be honoured",
     ),
 }
 
@@ -349,7 +349,7 @@ def test_policies_disagree_on_the_trace(runs: Any) -> None:
 def test_misbehaving_plugin_gets_cbcore_named_error(runs: Any) -> None:
     results, _ = runs
     err = results["garbage-order"]["error"]
-    assert err is not None and "SchedulerError" in err
+    assert err is not None and "PolicyError" in err  # a SchedulerError naming the policy
     assert "queue policy 'garbage-order' (path " in err
     assert "broke the rule 'order() returns each given sequence exactly once'" in err
 
@@ -396,7 +396,7 @@ def test_bad_request_fields_refuse_that_request_alone(runs: Any) -> None:
 def test_plugin_raising_gets_cbcore_named_error(runs: Any) -> None:
     results, _ = runs
     err = results["raising-key"]["error"]
-    assert err is not None and err.startswith("SchedulerError: queue policy 'raise-on-five' (path ")
+    assert err is not None and err.startswith("PolicyError: queue policy 'raise-on-five' (path ")
     # The request key() was looking at, as cbcore's engine names it: A, the five-token prompt (vLLM suffixes ids).
     assert re.search(r"raised in key\(\) for request 'A-[0-9a-f]+': ZeroDivisionError: division by zero", err), err
 
@@ -404,7 +404,7 @@ def test_plugin_raising_gets_cbcore_named_error(runs: Any) -> None:
 def test_queue_preempting_running_requests_is_refused_at_start(runs: Any) -> None:
     results, _ = runs
     err = results["priority-default-refused"]["error"]
-    assert err is not None and err.startswith("RefusedPolicy: queue policy 'priority' (built-in): preempts_running")
+    assert err is not None and err.startswith("RefusedPolicy: queue policy 'priority' (built-in): preemptive admission")
     assert "never to admit a waiting one; set preempt_running: false" in err
 
 

@@ -58,7 +58,6 @@ class VirtualTokenCounter(QueuePolicy):
 
     def __init__(self, params: VTCParams | None = None) -> None:
         super().__init__(params)
-        self.preempts_running = self.params.preempt_running
         self.counters: dict[str, float] = {}
         self._unfinished: dict[str, int] = {}  # client -> requests not yet finished (its backlog)
         self._prompt_charged: dict[str, int] = {}  # request -> prompt tokens already charged
@@ -134,4 +133,4 @@ class VirtualTokenCounter(QueuePolicy):
         return ordered
 
     def outranks(self, a: SequenceView, b: SequenceView, now: float) -> bool:
-        return self.counter(a.client_id) < self.counter(b.client_id)
+        return self.params.preempt_running and self.counter(a.client_id) < self.counter(b.client_id)

@@ -68,7 +68,10 @@ def test_order_interleaves_clients_by_tentative_counters() -> None:
     assert [s.request_id for s in vtc.order(seqs, now=20.0)] == ["a0", "b0", "a1", "b1", "a2", "b2"]
     vtc.counters["a"] = 100.0  # a has been served a lot: b's requests go first
     assert [s.request_id for s in vtc.order(seqs, now=20.0)][:3] == ["b0", "b1", "b2"]
-    assert vtc.outranks(seqs[3], seqs[0], now=20.0)
+    assert not vtc.outranks(seqs[3], seqs[0], now=20.0)  # no preemptive admission unless asked
+    eager = VirtualTokenCounter(VTCParams(preempt_running=True))
+    eager.counters["a"] = 100.0
+    assert eager.outranks(seqs[3], seqs[0], now=20.0)
 
 
 def test_client_weights_must_be_positive() -> None:

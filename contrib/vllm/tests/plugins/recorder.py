@@ -29,7 +29,6 @@ class LongestPromptFirst(QueuePolicy):
 
     name = "longest-prompt-first"
     Params = LogParams
-    fixed_keys = True
 
     def key(self, seq, now):
         return (-seq.num_prompt_tokens, seq.arrival_time, seq.request_id)
@@ -50,10 +49,11 @@ class LongestPromptFirst(QueuePolicy):
         )
 
     def on_step_end(self, results: Seq[StepResult], now):
-        _write(self.params.log, event="step_end", rows=[[r.seq.request_id, r.num_computed, r.new_token] for r in results])
-
-    def on_preempt(self, seq, now):
-        _write(self.params.log, event="preempt", id=seq.request_id)
+        for r in results:
+            if r.preempted:
+                _write(self.params.log, event="preempt", id=r.seq.request_id)
+        rows = [[r.seq.request_id, r.num_computed, r.new_token] for r in results if not r.preempted]
+        _write(self.params.log, event="step_end", rows=rows)
 
     def on_finish(self, seq, now):
         _write(self.params.log, event="finish", id=seq.request_id, num_output_tokens=seq.num_output_tokens)
@@ -64,7 +64,6 @@ class EvictLongestPrompt(PreemptionPolicy):
 
     name = "evict-longest-prompt"
     Params = LogParams
-    mode = "recompute"
 
     def choose_victim(self, candidates, queue, now):
         victim = max(candidates, key=lambda s: (s.num_prompt_tokens, s.request_id))

@@ -1,0 +1,380 @@
+"""The one door between a scheduler and its four policies: every call, its check, and who failed.
+
+A policy is outside code: whatever it returns or raises, the engine must stay
+correct and every other request must be served. So each question is asked
+here, and each answer checked here, once; and because the door knows which
+policy it called, which method and which request the call concerned, a
+failure is attributed without guessing. It becomes a :class:`PolicyError`
+naming all three: the engine ends that request alone and plans the step
+again without it (:mod:`cbcore.scheduling.step`). A call that concerns no
+single request (``limits``), or whose failure the door cannot narrow to one,
+raises a :class:`PolicyError` without a request: the engine stops, loudly.
+
+Which request a call concerns: ``key``, ``may_admit``, ``num_tokens`` and the
+events about one sequence concern that sequence. ``order``, ``outranks``,
+``choose_victim`` and ``on_step_end`` take several; when one of those raises,
+the door asks again one request at a time and blames the first whose call
+raises alone (an ``on_step_end`` asked again may see some results twice).
+
+Everything a policy raises is the policy's, ``SystemExit`` and
+``KeyboardInterrupt`` included, except a Ctrl-C the process received
+(:func:`interrupted`), which stays a shutdown, and a ``MemoryError``, which
+stops the engine. Policies get read-only views
+(``seq.view``, ``blocks.view``), never the engine's objects.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Mapping
+from collections.abc import Sequence as Seq
+from operator import attrgetter
+from typing import Any, NoReturn
+
+from cbcore.log import get_logger
+from cbcore.scheduling.policy import (
+    BudgetPolicy,
+    PreemptionPolicy,
+    PrefillPolicy,
+    QueuePolicy,
+    SchedulerState,
+    StepLimits,
+    StepResult,
+    _Policy,
+)
+from cbcore.scheduling.scheduler import SchedulerError
+from cbcore.scheduling.sequence import Sequence
+
+log = get_logger(__name__)
+_stored_key = attrgetter("queue_key")
+_ctrl_c = threading.Event()
+
+SLOTS = ("queue", "budget", "prefill", "preemption")
+EVENTS = ("on_arrival", "on_step_end", "on_finish")
+
+#: Names that left the policy API, with what replaces them: a plugin that still sets one is refused.
+REMOVED = {
+    "fixed_keys": "remove it: the scheduler asks key() every step it needs the order",
+    "preempts_running": "override outranks(a, b, now) instead; it answers False by default (no preemptive admission)",
+    "reads_cached_prefix": "remove it: a waiting sequence's num_cached_prompt_tokens is looked up when it is read",
+    "begin_step": "remove it: num_tokens(seq, tokens_left, scheduled) sees what the step already holds",
+    "on_preempt": "override on_step_end: a preempted sequence arrives there with StepResult.preempted set",
+    "policy_state": "keep per-request state on the policy, keyed by request_id",
+}
+REMOVED_BY_KIND = {
+    "prefill": {"order": "the phase order is scheduler configuration now: scheduler.order (decode-first or prefill-first)"},
+    "preemption": {"mode": "mode is configuration now: a `mode` field in the policy's Params (recompute or swap)"},
+}
+
+
+class PolicyError(SchedulerError):
+    """A policy raised, or answered against a rule. ``request_id``: the request the call concerned
+    (None: no single one, the engine stops); ``public``: what a client may be shown (no other
+    request's id, no server path)."""
+
+    def __init__(self, message: str, *, plugin: str, rule: str, request_id: str | None, public: str) -> None:
+        super().__init__(message, plugin=plugin, rule=rule, request_id=request_id)
+        self.public = public
+
+
+def describe(plugin: object, origin: str | None = None) -> str:
+    """``queue policy 'fcfs' (built-in)``."""
+    kind = getattr(plugin, "kind", "plugin")
+    label = "scheduler" if kind == "scheduler" else f"{kind} policy"
+    return f"{label} {getattr(plugin, 'name', type(plugin).__name__)!r}" + (f" ({origin})" if origin else "")
+
+
+def mark_interrupts() -> None:
+    """Make Ctrl-C tell itself apart from a policy raising KeyboardInterrupt (call on the main thread).
+
+    The applications (the ``cb`` commands) call this; without it, a
+    KeyboardInterrupt on the main thread is taken for a Ctrl-C and one on any
+    other thread for the policy's.
+    """
+
+    def on_ctrl_c(signum: int, frame: object) -> None:
+        _ctrl_c.set()
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_ctrl_c)
+
+
+def interrupted() -> bool:
+    """Whether a KeyboardInterrupt raised now is a Ctrl-C the process received: a shutdown, nobody's fault."""
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        return threading.current_thread() is threading.main_thread()
+    return _ctrl_c.is_set()
+
+
+def raise_named(name: str, method: str, request_id: str | None, exc: BaseException) -> NoReturn:
+    """Raise ``exc``, raised by plugin ``name`` in ``method`` about ``request_id``, as the PolicyError naming them."""
+    if isinstance(exc, PolicyError) or (isinstance(exc, KeyboardInterrupt) and interrupted()):
+        raise exc
+    if isinstance(exc, MemoryError):
+        request_id = None  # the process is out of memory: stopping beats guessing whom to blame
+    what = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    about = f" for request {request_id!r}" if request_id else ""
+    public = f"{name.split(' (')[0]} raised {type(exc).__name__} in {method}()"
+    raise PolicyError(f"{name} raised in {method}(){about}: {what}", plugin=name, rule=f"{method}() raised",
+                      request_id=request_id, public=public) from exc  # fmt: skip
+
+
+def _overrides(policy: object, method: str) -> bool:
+    return getattr(type(policy), method) is not getattr(_Policy, method)
+
+
+class Door:
+    """``queue``, ``budget``, ``prefill`` and ``preemption``, asked only through these methods."""
+
+    def __init__(
+        self, queue: QueuePolicy, budget: BudgetPolicy, prefill: PrefillPolicy, preemption: PreemptionPolicy,
+        origins: Mapping[str, str] | None = None,
+    ) -> None:  # fmt: skip
+        self.queue, self.budget, self.prefill, self.preemption = queue, budget, prefill, preemption
+        self.policies = (queue, budget, prefill, preemption)
+        origins = origins or {}
+        self.names = {id(p): describe(p, origins.get(slot)) for slot, p in zip(SLOTS, self.policies, strict=True)}
+        for policy, expected in zip(self.policies, (QueuePolicy, BudgetPolicy, PrefillPolicy, PreemptionPolicy), strict=True):
+            if not isinstance(policy, expected):
+                raise TypeError(f"{self.names[id(policy)]} is not a {expected.__name__}")
+            gone = REMOVED | REMOVED_BY_KIND.get(policy.kind, {})
+            if used := [n for n in gone if n in vars(policy) or any(n in vars(c) for c in type(policy).__mro__[:-1]
+                                                                      if c.__module__ != _Policy.__module__)]:
+                raise TypeError(f"{self.names[id(policy)]} sets {used[0]!r}, which cbcore no longer reads: {gone[used[0]]}")
+        self.mode = getattr(preemption.params, "mode", "recompute")
+        if self.mode not in ("recompute", "swap"):
+            raise ValueError(f"{self.names[id(preemption)]}: mode must be 'recompute' or 'swap', got {self.mode!r}")
+        self.fixed_keys = bool(queue._fixed_keys)
+        self.sorts_by_key = type(queue).order is QueuePolicy.order
+        # Only the policies that override an event hear it: the others' no-ops cost nothing per step.
+        self.hearing = {event: [p for p in self.policies if _overrides(p, event)] for event in EVENTS}
+
+    @property
+    def culprit(self) -> str:
+        """All four, for a rule no single policy broke (a stall)."""
+        return ", ".join(self.names[id(p)] for p in self.policies)
+
+    # -- failures ------------------------------------------------------------
+
+    def _raise(self, policy: object, method: str, seq: Any, exc: BaseException) -> NoReturn:
+        """``exc`` (raised by ``policy.method`` about ``seq``, a sequence or its view) as the PolicyError naming them."""
+        raise_named(self.names[id(policy)], method, None if seq is None else seq.request_id, exc)
+
+    def _broke(self, policy: object, rule: str, detail: str, seq: Any = None) -> NoReturn:
+        name, rid = self.names[id(policy)], getattr(seq, "request_id", None)
+        public = f"{name.split(' (')[0]} broke the rule '{rule}'"
+        raise PolicyError(f"{name} broke the rule '{rule}': {detail}", plugin=name, rule=rule, request_id=rid,
+                          public=public)  # fmt: skip
+
+    def _narrow(self, policy: object, method: str, seqs: Seq[Any], ask: Any, exc: BaseException) -> NoReturn:
+        """A call about several sequences raised: the first whose call alone raises is to blame."""
+        if not (isinstance(exc, KeyboardInterrupt) and interrupted()) and not isinstance(exc, MemoryError):
+            for seq in seqs:
+                try:
+                    ask(seq)
+                except BaseException as alone:
+                    self._raise(policy, method, seq, alone)
+        self._raise(policy, method, None, exc)
+
+    # -- answers -------------------------------------------------------------
+
+    def limits(self, state: SchedulerState) -> StepLimits:
+        budget = self.budget
+        try:
+            limits = budget.limits(state)
+        except BaseException as exc:
+            self._raise(budget, "limits", None, exc)
+        counts = (limits.max_num_seqs, limits.max_num_tokens) if isinstance(limits, StepLimits) else ()
+        if not counts or not all(type(n) is int and n >= 1 for n in counts):
+            self._broke(budget, "limits() returns StepLimits of two ints >= 1", f"got {limits!r}")
+        return limits
+
+    def may_admit(self, seq: Sequence, state: SchedulerState) -> bool:
+        try:
+            return bool(self.budget.may_admit(seq.view, state))
+        except BaseException as exc:
+            self._raise(self.budget, "may_admit", seq, exc)
+
+    def num_tokens(self, seq: Sequence, tokens_left: int, scheduled: Seq[Any]) -> int:
+        """Pending tokens of ``seq`` to run now; more than is pending means all of it (documented)."""
+        pending = len(seq.token_ids) - seq.num_computed_tokens
+        if pending == 1:
+            return 1
+        try:
+            n = self.prefill.num_tokens(seq.view, tokens_left, tuple(scheduled))
+        except BaseException as exc:
+            self._raise(self.prefill, "num_tokens", seq, exc)
+        if type(n) is not int or n < 0:
+            self._broke(self.prefill, "num_tokens() returns an int >= 0", f"got {n!r}", seq)
+        if n > tokens_left and scheduled:
+            rule = "num_tokens() stays within tokens_left (only a prompt alone in a step may exceed it)"
+            self._broke(self.prefill, rule, f"{n} tokens for {seq.request_id!r} with {tokens_left} left", seq)
+        return min(n, pending)
+
+    def key(self, seq: Sequence, now: float) -> Any:
+        try:
+            return self.queue.key(seq.view, now)
+        except BaseException as exc:
+            self._raise(self.queue, "key", seq, exc)
+
+    def order(self, seqs: Seq[Sequence], now: float) -> list[Sequence]:
+        """``seqs`` in queue order (a new list): by stored keys, by ``key()``, or by the queue's own ``order()``."""
+        queue = self.queue
+        if self.fixed_keys:
+            return sorted(seqs, key=_stored_key)
+        if self.sorts_by_key:  # ask key() here, so that a failure names its sequence
+            keyed = []
+            for i, seq in enumerate(seqs):
+                try:
+                    keyed.append((queue.key(seq.view, now), i, seq))
+                except BaseException as exc:
+                    self._raise(queue, "key", seq, exc)
+            try:
+                keyed.sort()
+            except BaseException as exc:  # keys that do not compare
+                self._raise(queue, "key", None, exc)
+            return [seq for _, _, seq in keyed]
+        views = [s.view for s in seqs]
+        try:
+            ordered = queue.order(views, now)
+        except BaseException as exc:
+            self._narrow(queue, "order", seqs, lambda s: queue.order([s.view], now), exc)
+        of = {id(s.view): s for s in seqs}
+        if not isinstance(ordered, list | tuple) or len(ordered) != len(seqs) or {id(v) for v in ordered} != set(of):
+            self._broke(queue, "order() returns each given sequence exactly once", _not_a_permutation(ordered, views))
+        return [of[id(v)] for v in ordered]
+
+    def outranks(self, a: Sequence, b: Sequence, now: float) -> bool:
+        queue = self.queue
+        try:
+            return bool(queue.outranks(a.view, b.view, now))
+        except BaseException as exc:
+            self._narrow(queue, "outranks", (a, b), lambda s: queue.outranks(s.view, s.view, now), exc)
+
+    def victim(self, candidates: list[Sequence], now: float) -> Sequence:
+        policy, queue = self.preemption, self.queue
+        try:
+            chosen = policy.choose_victim(tuple(s.view for s in candidates), queue, now)
+        except BaseException as exc:
+            self._narrow(policy, "choose_victim", candidates, lambda s: policy.choose_victim((s.view,), queue, now), exc)
+        for seq in candidates:
+            if seq.view is chosen:
+                return seq
+        detail = f"it chose {getattr(chosen, 'request_id', chosen)!r}, which is not among the candidates"
+        self._broke(policy, "choose_victim() returns one of the candidates", detail)
+
+    # -- events (after the step commits) -------------------------------------
+
+    def arrived(self, seq: Sequence, now: float) -> None:
+        """Tell every policy; if one raises, those told already see it finish, then the error names it."""
+        told: list[_Policy] = []
+        for policy in self.hearing["on_arrival"]:
+            try:
+                policy.on_arrival(seq.view, now)
+            except BaseException as exc:
+                for earlier in told:
+                    try:
+                        earlier.on_finish(seq.view, now)
+                    except BaseException as also:
+                        self._event_failure(earlier, "on_finish", seq, also)
+                self._raise(policy, "on_arrival", seq, exc)
+            told.append(policy)
+
+    def step_ended(self, results: list[StepResult], now: float) -> list[PolicyError]:
+        """Every policy hears the step; returns the failures (each names its request, or none)."""
+        failures = []
+        for policy in self.hearing["on_step_end"]:
+            try:
+                policy.on_step_end(results, now)
+            except BaseException as exc:
+                try:
+                    self._narrow(policy, "on_step_end", [r.seq for r in results],
+                                 lambda view: policy.on_step_end([r for r in results if r.seq is view], now), exc)  # fmt: skip
+                except PolicyError as err:
+                    log.error("policy event failed", plugin=err.plugin, method="on_step_end",
+                              request_id=err.request_id, error=str(err), exc_info=exc)  # fmt: skip
+                    failures.append(err)
+        return failures
+
+    def finished(self, seq: Sequence, now: float) -> list[PolicyError]:
+        """Every policy hears that ``seq`` ended; returns the failures (logged: the request has ended already)."""
+        failures = []
+        for policy in self.hearing["on_finish"]:
+            try:
+                policy.on_finish(seq.view, now)
+            except BaseException as exc:
+                failures.append(self._event_failure(policy, "on_finish", seq, exc))
+        return failures
+
+    def _event_failure(self, policy: object, method: str, seq: Sequence, exc: BaseException) -> PolicyError:
+        try:
+            self._raise(policy, method, seq, exc)
+        except PolicyError as err:
+            log.error("policy event failed", plugin=err.plugin, method=method, request_id=seq.request_id,
+                      error=str(err), exc_info=exc)  # fmt: skip
+            return err
+
+
+class GuardedScheduler:
+    """A whole-scheduler plugin behind its door: what it raises is named after it.
+
+    It is one plugin, so an exception out of any of its methods is its own:
+    about the request being added or aborted, else about no single request.
+    """
+
+    def __init__(self, plugin: Any, name: str) -> None:
+        self.plugin, self.name, self.blocks = plugin, name, plugin.blocks
+        self.names = {id(plugin): name}
+
+    def __getattr__(self, attr: str) -> Any:  # anything else the plugin offers (its queues, for a test)
+        return getattr(self.plugin, attr)
+
+    def add(self, seq: Sequence) -> None:
+        try:
+            self.plugin.add(seq)
+        except BaseException as exc:
+            raise_named(self.name, "add", seq.request_id, exc)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        try:
+            return self.plugin.abort(request_id)
+        except BaseException as exc:
+            raise_named(self.name, "abort", request_id, exc)
+
+    def schedule(self) -> Any:
+        try:
+            return self.plugin.schedule()
+        except BaseException as exc:
+            raise_named(self.name, "schedule", None, exc)
+
+    def on_step_end(self, out: Any, results: Seq[StepResult]) -> list[PolicyError]:
+        try:
+            self.plugin.on_step_end(out, results)
+        except BaseException as exc:
+            raise_named(self.name, "on_step_end", None, exc)
+        return []
+
+    def has_unfinished(self) -> bool:
+        try:
+            return bool(self.plugin.has_unfinished())
+        except BaseException as exc:
+            raise_named(self.name, "has_unfinished", None, exc)
+
+    def snapshot(self) -> Any:
+        try:
+            return self.plugin.snapshot()
+        except BaseException as exc:
+            raise_named(self.name, "snapshot", None, exc)
+
+
+def _not_a_permutation(ordered: object, given: Seq[Any]) -> str:
+    if not isinstance(ordered, list | tuple):
+        return f"got {type(ordered).__name__}"
+    ids = [id(s) for s in ordered]
+    if twice := [s for s in ordered if ids.count(id(s)) > 1]:
+        return f"{getattr(twice[0], 'request_id', twice[0])!r} appears {ids.count(id(twice[0]))} times"
+    known = {id(s) for s in given}
+    if extra := [s for s in ordered if id(s) not in known]:
+        return f"{getattr(extra[0], 'request_id', extra[0])!r} was not given"
+    return f"{len(ordered)} sequences back for {len(given)} given"
