@@ -120,6 +120,9 @@ class ServeConfig(_Strict):
     # token of the model's context).
     max_body_bytes: PositiveInt | None = None
     header_timeout_s: float = Field(10.0, gt=0, le=MAX_SECONDS)  # for each request's headers to arrive
+    # Request line and headers together (431 beyond), counted as they arrive. At most 1 MiB: the HTTP parser
+    # joins a header's pieces in time that grows with the square of its length.
+    max_header_bytes: int = Field(64 * 1024, ge=1024, le=2**20)
     body_timeout_s: float = Field(30.0, gt=0, le=MAX_SECONDS)  # for a request's whole body to arrive
     # tokenise prompts and render chat templates off the HTTP event loop
     tokenizer_threads: int = Field(2, gt=0, le=256)

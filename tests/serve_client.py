@@ -11,6 +11,7 @@ import threading
 import time
 from urllib.parse import urlsplit
 
+import httpx
 import openai
 
 
@@ -95,3 +96,19 @@ class PacedStream(threading.Thread):
         gaps = [g for t, g in self.gaps if t0 <= t <= t1]
         assert len(gaps) >= 20, f"only {len(gaps)} chunks between the marks"
         return sum(gaps) / len(gaps)
+
+
+class HealthProbe(threading.Thread):
+    """GET /health every 50 ms; the latencies, with when each was measured."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url, self.stop, self.latencies = url, threading.Event(), []
+
+    def run(self) -> None:
+        with httpx.Client(timeout=30) as http:
+            while not self.stop.is_set():
+                t0 = time.perf_counter()
+                assert http.get(self.url + "/health").status_code == 200
+                self.latencies.append((t0, time.perf_counter() - t0))
+                time.sleep(0.05)

@@ -75,6 +75,13 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
         "(serve.header_timeout_s, default 10)",
     )
     parser.add_argument(
+        "--max-header-bytes",
+        type=int,
+        metavar="N",
+        help="431 when a request's line and headers pass N bytes, before the key is checked "
+        "(serve.max_header_bytes, default 65536)",
+    )
+    parser.add_argument(
         "--body-timeout",
         type=float,
         metavar="S",
@@ -103,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
         "protect_metrics": args.protect_metrics or None,
         "max_body_bytes": args.max_body_bytes,
         "header_timeout_s": args.header_timeout,
+        "max_header_bytes": args.max_header_bytes,
         "body_timeout_s": args.body_timeout,
     }
     extra = {"serve": {k: v for k, v in serve_flags.items() if v is not None}}
@@ -146,4 +154,5 @@ def run(args: argparse.Namespace) -> int:
         args.log_level,
         banner,
         config.serve.header_timeout_s,
+        config.serve.max_header_bytes,
     )

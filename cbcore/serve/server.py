@@ -17,7 +17,7 @@ from typing import Any
 import uvicorn
 
 from cbcore.log import get_logger
-from cbcore.serve.connection import protocol_with_header_timeout
+from cbcore.serve.connection import MAX_HEADER_BYTES, protocol_with_header_limits
 from cbcore.serve.engine_loop import EngineLoop
 
 log = get_logger(__name__)
@@ -58,13 +58,15 @@ def serve(
     log_level: str,
     banner: str,
     header_timeout_s: float = 10.0,
+    max_header_bytes: int = MAX_HEADER_BYTES,
 ) -> int:
     """Serve until a signal; returns the exit code (0 after a graceful shutdown)."""
     config = uvicorn.Config(
         app,
         host=host,
         port=port,
-        http=protocol_with_header_timeout(header_timeout_s),
+        http=protocol_with_header_limits(header_timeout_s, max_header_bytes),
+        h11_max_incomplete_event_size=max_header_bytes,  # h11 (without httptools) bounds the head itself
         log_level=log_level,
         access_log=log_level in ("debug", "info"),
         timeout_graceful_shutdown=int(grace_s) + 5,  # a backstop: the engine loop aborts at grace_s
