@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 from conftest import SERVE_KEY
+from test_request_attrs import nested
 
 from cbcore.serve.nesting import MAX_JSON_DEPTH
 
@@ -31,19 +32,10 @@ def model_name(client) -> str:
     return client.models.list().data[0].id
 
 
-def nested(levels: int) -> dict:
-    top: dict = {}
-    inner = top
-    for _ in range(levels - 1):
-        inner["a"] = {}
-        inner = inner["a"]
-    return top
-
-
 def test_deep_attrs_are_a_400_naming_the_path_with_nothing_logged(tiny_server, client, model_name):
     log_before = len(tiny_server.log_text())
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=model_name, prompt="hi", max_tokens=1, extra_body={"attrs": nested(100)})
+        client.completions.create(model=model_name, prompt="hi", max_tokens=1, extra_body={"attrs": nested(100, "a")})
     error = info.value.body
     assert info.value.status_code == 400 and error["param"] == "attrs"
     assert error["message"] == f"attrs{'.a' * 63}: JSON nested deeper than {MAX_JSON_DEPTH} levels (the most this server takes)"
@@ -62,7 +54,7 @@ def test_deep_attrs_are_a_400_naming_the_path_with_nothing_logged(tiny_server, c
     new_log = tiny_server.log_text()[log_before:]
     assert "Traceback" not in new_log and "RecursionError" not in new_log, new_log[-3000:]
     # The limit itself passes (attrs 63 deep, the body 64), and the server serves on.
-    out = client.completions.create(model=model_name, prompt="hi", max_tokens=2, extra_body={"attrs": nested(63)})
+    out = client.completions.create(model=model_name, prompt="hi", max_tokens=2, extra_body={"attrs": nested(63, "a")})
     assert out.choices[0].finish_reason == "length"
 
 
