@@ -9,6 +9,7 @@ the key path.
 from __future__ import annotations
 
 import json
+import math
 import os
 import tomllib
 from pathlib import Path
@@ -50,9 +51,15 @@ class PluginSpec(BaseModel):
 
 
 class _Strict(BaseModel):
-    """Unknown keys fail, values are not coerced ("5" is not 5), and a config never changes once made."""
+    """Unknown keys fail, values are not coerced ("5" is not 5), numbers are finite, and a config never
+    changes once made."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+
+
+#: The longest a time limit of the server may be: one day. A longer one is a mistake, and one past what
+#: the clocks hold (``1e300``) would only fail once the model has loaded.
+MAX_SECONDS = 86_400.0
 
 
 class SchedulerConfig(_Strict):
@@ -81,11 +88,19 @@ class SchedulerConfig(_Strict):
         return data | {slot: {"name": cls.model_fields[slot].default.name} | v for slot, v in given.items()}
 
 
+#: Sizes past any device (a pebibyte of KV, 2**31 blocks): larger ones overflow when the pool is allocated,
+#: after the model has loaded, so they are refused with the config.
+MAX_KV_MEMORY_MB = float(2**30)
+MAX_BLOCKS = 2**31
+
+
 class KVCacheConfig(_Strict):
-    block_size: PositiveInt = 16
-    num_blocks: PositiveInt | None = None  # None: as many as max_memory_mb holds
-    max_memory_mb: float = Field(1024.0, gt=0)  # the device KV pool's budget when num_blocks is None
-    num_host_blocks: int | None = Field(None, ge=0)  # host blocks for swap preemption; None: as many as the device pool
+    block_size: int = Field(16, gt=0, le=2**16)
+    num_blocks: int | None = Field(None, gt=0, le=MAX_BLOCKS)  # None: as many as max_memory_mb holds
+    # the device KV pool's budget when num_blocks is None
+    max_memory_mb: float = Field(1024.0, gt=0, le=MAX_KV_MEMORY_MB)
+    # host blocks for swap preemption; None: as many as the device pool
+    num_host_blocks: int | None = Field(None, ge=0, le=MAX_BLOCKS)
     # Reuse the KV of full blocks whose prefix another request already computed; freed cached blocks stay
     # findable until their space is needed.
     prefix_caching: StrictBool = True
@@ -99,24 +114,26 @@ class ModelConfig(_Strict):
     trust_remote_code: bool = False
 
 
-class ServeConfig(BaseModel):
+class ServeConfig(_Strict):
     """`cb serve` only: admission limits and shutdown; the engine itself ignores this section."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
     max_waiting: PositiveInt | None = 1024  # queued, not running, beyond which new requests get 503; None: no limit
-    retry_after_s: PositiveInt = 1  # the Retry-After header of a 503
-    shutdown_grace_s: float = Field(30.0, ge=0)  # on SIGTERM/SIGINT, how long in-flight requests may still run
+    retry_after_s: int = Field(1, gt=0, le=MAX_SECONDS)  # the Retry-After header of a 503
+    shutdown_grace_s: float = Field(30.0, ge=0, le=MAX_SECONDS)  # on SIGTERM/SIGINT, how long requests may still run
     protect_metrics: bool = False  # require the API key on /health and /metrics too
     # The largest request body, enforced while it is read (413 beyond); None: max(1 MiB, 32 bytes per
     # token of the model's context).
     max_body_bytes: PositiveInt | None = None
-    header_timeout_s: float = Field(10.0, gt=0)  # for each request's headers to arrive
-    body_timeout_s: float = Field(30.0, gt=0)  # for a request's whole body to arrive
-    tokenizer_threads: PositiveInt = 2  # tokenise prompts and render chat templates off the HTTP event loop
+    header_timeout_s: float = Field(10.0, gt=0, le=MAX_SECONDS)  # for each request's headers to arrive
+    # Request line and headers together (431 beyond), counted as they arrive. At most 1 MiB: the HTTP parser
+    # joins a header's pieces in time that grows with the square of its length.
+    max_header_bytes: int = Field(64 * 1024, ge=1024, le=2**20)
+    body_timeout_s: float = Field(30.0, gt=0, le=MAX_SECONDS)  # for a request's whole body to arrive
+    # tokenise prompts and render chat templates off the HTTP event loop
+    tokenizer_threads: int = Field(2, gt=0, le=256)
 
 
-class ExecutionConfig(BaseModel):
+class ExecutionConfig(_Strict):
     """How the runner drives the model's kernels (numbers stay the same, speed changes).
 
     ``forward``: which code runs the model in engine steps: ``fused`` (cbcore's own forward for the
@@ -127,8 +144,6 @@ class ExecutionConfig(BaseModel):
     rows, a prefill, still goes to ``F.linear``), ``standard`` (``F.linear``), or
     ``auto``: onednn where it can run, else standard. HF's modules multiply with ``F.linear``.
     """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     forward: Literal["auto", "fused", "hf"] = "auto"
     linear: Literal["auto", "onednn", "standard"] = "auto"
@@ -146,6 +161,16 @@ class EngineConfig(_Strict):
     serve: ServeConfig = ServeConfig()
     execution: ExecutionConfig = ExecutionConfig()
     plugins: list[str] = Field(default_factory=list)  # modules or .py files that implement cbcore hooks
+
+    @model_validator(mode="before")
+    @classmethod
+    def _finite_numbers(cls, data: Any) -> Any:
+        """Every number finite, plugin parameters included (their models are the plugins' own): an ``inf``
+        or ``nan`` would pass a ``> 0`` check and fail later, once the model has loaded."""
+        if (found := _non_finite(data)) is not None:
+            where, value = found
+            raise ValueError(f"{where}: {value!r} is not a finite number")
+        return data
 
     @model_validator(mode="after")
     def _check_plugins(self) -> EngineConfig:
@@ -171,7 +196,44 @@ class EngineConfig(_Strict):
         return cls.model_validate(apply_overrides(data, overrides or []))
 
 
-_PARSERS = {".toml": tomllib.loads, ".json": json.loads, ".yaml": yaml.safe_load, ".yml": yaml.safe_load}
+def _non_finite(data: Any) -> tuple[str, float] | None:
+    """The key path and value of the first infinite or NaN float in plain data, else None (no recursion)."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            return where or "config", value
+        if isinstance(value, dict):
+            stack.extend((f"{where}.{key}" if where else str(key), item) for key, item in value.items())
+        elif isinstance(value, list | tuple):
+            stack.extend((f"{where}[{i}]", item) for i, item in enumerate(value))
+    return None
+
+
+class YamlAliasError(ValueError):
+    """A YAML text used an alias (the message names its line)."""
+
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """YAML without aliases: a few nested ``*alias`` lines name each other into billions of values
+    ("billion laughs"), which grow without bound once copied or validated. A config never needs them."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise YamlAliasError(
+                f"line {event.start_mark.line + 1}: the alias *{event.anchor} is not accepted "
+                "(YAML aliases can expand without bound); write the value out"
+            )
+        return super().compose_node(parent, index)
+
+
+def load_yaml(text: str) -> Any:
+    """``yaml.safe_load`` without aliases (:class:`YamlAliasError` names the line of the first)."""
+    return yaml.load(text, Loader=_NoAliasLoader)  # a SafeLoader subclass
+
+
+_PARSERS = {".toml": tomllib.loads, ".json": json.loads, ".yaml": load_yaml, ".yml": load_yaml}
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
@@ -186,6 +248,8 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         data = parse(text)
     except (tomllib.TOMLDecodeError, json.JSONDecodeError, yaml.YAMLError) as exc:
         raise ConfigError(f"config file {path} is not valid {path.suffix[1:]}: {exc}") from None
+    except YamlAliasError as exc:
+        raise ConfigError(f"config file {path}: {exc}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -232,7 +296,12 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             if not isinstance(child, dict):
                 raise ConfigError(f"--set {item!r}: {part!r} is not a section")
             node = child
-        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+        try:
+            node[parts[-1]] = load_yaml(raw) if raw.strip() else ""
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--set {item!r}: the value is not valid YAML: {exc}") from None
+        except YamlAliasError as exc:
+            raise ConfigError(f"--set {item!r}: {exc}") from None
     return data
 
 

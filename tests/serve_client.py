@@ -6,11 +6,14 @@ The raw client exists to show what the server does *before* a body arrives
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
+from pathlib import Path
 from urllib.parse import urlsplit
 
+import httpx
 import openai
 
 
@@ -95,3 +98,31 @@ class PacedStream(threading.Thread):
         gaps = [g for t, g in self.gaps if t0 <= t <= t1]
         assert len(gaps) >= 20, f"only {len(gaps)} chunks between the marks"
         return sum(gaps) / len(gaps)
+
+
+class HealthProbe(threading.Thread):
+    """GET /health every 50 ms; the latencies, with when each was measured."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url, self.stop, self.latencies = url, threading.Event(), []
+
+    def run(self) -> None:
+        with httpx.Client(timeout=30) as http:
+            while not self.stop.is_set():
+                t0 = time.perf_counter()
+                assert http.get(self.url + "/health").status_code == 200
+                self.latencies.append((t0, time.perf_counter() - t0))
+                time.sleep(0.05)
+
+
+def long_context_model_dir(tmp_path_factory) -> Path:
+    """The tiny model given 16k positions: requests that outlast whatever a test does meanwhile.
+
+    (At the tiny model's 512 positions a whole request takes under a second on a fast machine.)"""
+    from cbcore.testing.tiny_tokenizer import save_tiny_model_dir
+
+    path = save_tiny_model_dir(tmp_path_factory.mktemp("cb-tiny-long"), "llama")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 16384}))
+    return path

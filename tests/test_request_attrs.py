@@ -32,6 +32,22 @@ def engine_for(model, **extra):
     return Engine(model, config=EngineConfig.model_validate({**EAGER, **extra}))
 
 
+def nested(levels: int, key: str = "d") -> dict:
+    """``{"d": {"d": ... {}}}``: ``levels`` objects, the outermost included (built without recursion)."""
+    top: dict = {}
+    inner = top
+    for _ in range(levels - 1):
+        inner[key] = {}
+        inner = inner[key]
+    return top
+
+
+def cyclic() -> dict:
+    loop: dict = {"x": [1]}
+    loop["x"].append(loop)
+    return loop
+
+
 def test_policy_reads_every_field(models):
     engine = engine_for(
         models["llama"],
@@ -73,6 +89,10 @@ def test_policy_reads_every_field(models):
         ({"attrs": {"when": object()}}, r"attrs.when: object .* is not a JSON value"),
         ({"attrs": {"x": {1: "a"}}}, "attrs.x: key 1 is not a str"),
         ({"attrs": {"x": [math.nan]}}, r"attrs.x\[0\]: nan is not a JSON number"),
+        # Deep nesting is refused by its path, without recursion (900 levels overflowed the stack once).
+        ({"attrs": nested(900)}, r"^request 'req-0': attrs(\.d){64}: nested deeper than 64 levels$"),
+        ({"attrs": nested(100_000, "k" * 50)}, r": attrs(\.k{50}){3}\.k{41}\.\.\.: nested deeper than 64 levels$"),
+        ({"attrs": cyclic()}, r"attrs\.x\[1\]\.x\[1\].*: nested deeper than 64 levels"),
         ({"arrival_time": "now"}, "arrival_time must be a number"),
     ],
 )
@@ -81,6 +101,19 @@ def test_bad_fields_are_refused_and_register_nothing(models, kwargs, message):
     with pytest.raises(RequestError, match=message):
         engine.add_request([1, 2], **kwargs)
     assert not engine.has_unfinished()
+
+
+def test_attrs_at_the_depth_limit_are_copied_whole_and_in_order():
+    from cbcore.bench.workload import thaw
+    from cbcore.scheduling.request import freeze_attrs
+
+    deep = nested(64)
+    deep["d"]["list"] = [[1, {"b": 2.5, "a": None}], [], "s", True]
+    frozen = freeze_attrs(deep)
+    assert thaw(frozen) == deep and json.dumps(thaw(frozen)) == json.dumps(deep)  # key order kept
+    assert isinstance(frozen["d"]["list"][0][1], MappingProxyType) and isinstance(frozen["d"]["list"], tuple)
+    with pytest.raises(ValueError, match=r"^attrs(\.d){64}: nested deeper than 64 levels$"):
+        freeze_attrs(nested(65))
 
 
 def test_generate_takes_per_prompt_lists(models):

@@ -17,14 +17,13 @@
 from __future__ import annotations
 
 import json
-import threading
 import time
 
 import httpx
 import psutil
 import pytest
 from conftest import SERVE_KEY
-from serve_client import PacedStream, closed_by_server, connect, head, read_response
+from serve_client import HealthProbe, PacedStream, closed_by_server, connect, head, read_response
 
 from cbcore.serve.launch import ServerProcess
 
@@ -61,22 +60,6 @@ def post_50_mb(url: str, with_key: bool, chunked: bool = False) -> tuple[int, di
             pass  # the server answers and closes without reading the rest; its answer is read below
         status, _, body = read_response(sock)
     return status, json.loads(body)
-
-
-class HealthProbe(threading.Thread):
-    """GET /health every 50 ms; the latencies, with when each was measured."""
-
-    def __init__(self, url: str) -> None:
-        super().__init__(daemon=True)
-        self.url, self.stop, self.latencies = url, threading.Event(), []
-
-    def run(self) -> None:
-        with httpx.Client(timeout=30) as http:
-            while not self.stop.is_set():
-                t0 = time.perf_counter()
-                assert http.get(self.url + "/health").status_code == 200
-                self.latencies.append((t0, time.perf_counter() - t0))
-                time.sleep(0.05)
 
 
 def test_fifty_mb_bodies_are_refused_without_stalling_health_a_stream_or_memory(tiny_server, model_name):

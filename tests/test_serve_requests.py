@@ -19,13 +19,13 @@ import httpx
 import openai
 import pytest
 from conftest import SERVE_KEY
+from serve_client import long_context_model_dir
 from test_serve_load import metric
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cbcore import Engine, EngineConfig, SamplingParams
 from cbcore.serve.launch import ServerProcess
 from cbcore.serve.protocol import MAX_STOP_CHARS, MAX_STOP_STRINGS
-from cbcore.testing.tiny_tokenizer import save_tiny_model_dir
 
 AUTH = {"Authorization": f"Bearer {SERVE_KEY}", "Content-Type": "application/json"}
 
@@ -72,12 +72,9 @@ def long_context_server(tmp_path_factory):
 
     (At the tiny model's 512 positions a whole request takes under a second on a fast machine, so
     it could end normally before its handler looks for the disconnect.)"""
-    path = save_tiny_model_dir(tmp_path_factory.mktemp("cb-tiny-long"), "llama")
-    config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 16384}))
     args = [
         "--model",
-        str(path),
+        str(long_context_model_dir(tmp_path_factory)),
         "--api-key",
         SERVE_KEY,
         "--threads",

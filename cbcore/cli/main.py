@@ -128,4 +128,8 @@ def one_line(exc: BaseException) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m cbcore.cli.main` (how `cb serve` is started by cbcore.serve.launch) runs this file as
+    # __main__, a second copy of the module: the commands raise cbcore.cli.main's CLIError, so its main runs.
+    from cbcore.cli import main as cli
+
+    sys.exit(cli.main())

@@ -75,6 +75,13 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
         "(serve.header_timeout_s, default 10)",
     )
     parser.add_argument(
+        "--max-header-bytes",
+        type=int,
+        metavar="N",
+        help="431 when a request's line and headers pass N bytes, before the key is checked "
+        "(serve.max_header_bytes, default 65536)",
+    )
+    parser.add_argument(
         "--body-timeout",
         type=float,
         metavar="S",
@@ -103,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
         "protect_metrics": args.protect_metrics or None,
         "max_body_bytes": args.max_body_bytes,
         "header_timeout_s": args.header_timeout,
+        "max_header_bytes": args.max_header_bytes,
         "body_timeout_s": args.body_timeout,
     }
     extra = {"serve": {k: v for k, v in serve_flags.items() if v is not None}}
@@ -119,31 +127,41 @@ def run(args: argparse.Namespace) -> int:
     name = args.served_model_name or config.model.path or MODEL_NAME
     if scale.wants_replicas(args):
         return scale.run(args, config, name, api_key)
+    from cbcore.serve.listen import BindError, bind
+
+    try:
+        sockets = bind(args.host, args.port)  # before the model loads: a bad address fails in a moment
+    except BindError as exc:
+        raise CLIError(str(exc)) from None
     if args.threads is not None:
         import torch
 
         torch.set_num_threads(args.threads)
-
     from cbcore.engine import Engine
     from cbcore.serve.app import build_app
     from cbcore.serve.metrics import policy_label
     from cbcore.serve.server import serve
 
-    model, tokenizer = load_model(config)
-    if tokenizer is None:
-        raise CLIError("cb serve needs a model with a tokenizer")
-    engine = Engine(model, None, config)  # token ids in, token ids out: the server decodes
-    app = build_app(engine, tokenizer, name, config.serve, api_key)
+    try:
+        model, tokenizer = load_model(config)
+        if tokenizer is None:
+            raise CLIError("cb serve needs a model with a tokenizer")
+        engine = Engine(model, None, config)  # token ids in, token ids out: the server decodes
+        app = build_app(engine, tokenizer, name, config.serve, api_key)
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
     banner = f"(model {name}, policy {policy_label(config)}, backend {config.backend.name})"
     if args.host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         print(f"cb: warning: serving on {args.host} without an API key", file=sys.stderr)
     return serve(
         app,
         app.state.cb.loop,
-        args.host,
-        args.port,
+        sockets,
         config.serve.shutdown_grace_s,
         args.log_level,
         banner,
         config.serve.header_timeout_s,
+        config.serve.max_header_bytes,
     )

@@ -9,7 +9,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from cbcore.serve.protocol import ErrorBody, ErrorResponse
+from cbcore.serve.protocol import NEUTRAL_ONLY_ERROR, ErrorBody, ErrorResponse
 
 ERROR_TYPES = {
     401: "authentication_error",
@@ -53,10 +53,13 @@ def validation_error(exc: RequestValidationError) -> ApiError:
     msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
     if err.get("type") == "extra_forbidden":
         msg = "unknown field (not part of this API)"
+    if err.get("type") == NEUTRAL_ONLY_ERROR:  # several fields at once: the first is the param
+        return ApiError(400, msg, err["ctx"]["fields"][0])
     if err.get("type") == "json_invalid":
         return ApiError(400, f"the body is not valid JSON: {err.get('ctx', {}).get('error', msg)}")
-    param = loc[0] if loc else None
-    return ApiError(400, f"{'.'.join(loc)}: {msg}" if loc else msg, param)
+    param, where = (loc[0] if loc else None), ".".join(loc)
+    names_its_place = msg.startswith((f"{where}:", f"{where}.", f"{where}["))  # e.g. "attrs.a: ..."
+    return ApiError(400, f"{where}: {msg}" if loc and not names_its_place else msg, param)
 
 
 def install(app: FastAPI) -> None:

@@ -3,8 +3,10 @@
 Requests are strict: an unknown field is refused with a 400 naming it, rather
 than ignored, so a client never believes a setting took effect when it did
 not. OpenAI fields cbcore does not implement are accepted only at their
-neutral value (``n=1``, ``echo=false``, no logprobs, zero penalties) and
-refused otherwise, with a message that says so.
+neutral value (``n=1``, ``echo=false``, no logprobs, zero penalties, no
+tools, ``response_format`` ``{"type": "text"}``): a body that sets any of
+them otherwise is refused with one message naming every such field, its
+value and the neutral one (:data:`NEUTRAL_ONLY`).
 
 Extension fields, as vLLM adds them to the body (``extra_body`` in the
 ``openai`` client): ``top_k``, ``ignore_eos``, ``priority``, ``deadline_s``,
@@ -14,14 +16,20 @@ Extension fields, as vLLM adds them to the body (``extra_body`` in the
 
 from __future__ import annotations
 
+import json
 import time
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from cbcore.scheduling.request import EMPTY_ATTRS, Attrs, DeadlineS, Priority
 
 UNSUPPORTED_MSG = "is not supported by this server"
+#: The pydantic error type of a body that sets neutral-only fields; its context lists them (the first is
+#: the error's ``param``).
+NEUTRAL_ONLY_ERROR = "neutral_only"
 #: Caps on ``stop``: each string is matched on every token's text, and its automaton is built per list.
 MAX_STOP_STRINGS = 32
 MAX_STOP_CHARS = 256
@@ -97,26 +105,34 @@ class _Common(BaseModel):
             raise ValueError("only allowed when stream is true (as OpenAI's API has it)")
         return value
 
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError(f"n={value} {UNSUPPORTED_MSG}: send n=1 (one request per choice)")
-        return value
+    #: Field -> (whether a value is neutral, the neutral value as JSON). A field is checked only when sent.
+    NEUTRAL: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {
+        "n": (lambda v: v == 1, "1"),
+        "presence_penalty": (lambda v: v == 0, "0"),
+        "frequency_penalty": (lambda v: v == 0, "0"),
+        "logit_bias": (lambda v: not v, "null or {}"),
+    }
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, value: float) -> float:
-        if value != 0.0:
-            raise ValueError(f"penalties {UNSUPPORTED_MSG}; leave them at 0")
-        return value
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value:
-            raise ValueError(f"logit_bias {UNSUPPORTED_MSG}")
-        return value
+    @model_validator(mode="after")
+    def _neutral_only(self) -> _Common:
+        """Every field this server accepts only at its neutral value and the body sets otherwise, at once."""
+        sent = [
+            (name, neutral)
+            for name, (is_neutral, neutral) in self.NEUTRAL.items()
+            if name in self.model_fields_set and not is_neutral(getattr(self, name))
+        ]
+        if sent:
+            one = len(sent) == 1
+            listed = ", ".join(f"{name}={_shown(getattr(self, name))} (neutral: {neutral})" for name, neutral in sent)
+            message = (
+                f"{listed}: {'this field is' if one else 'these fields are'} not supported by this server, which "
+                f"accepts {'it only at its neutral value' if one else 'them only at their neutral values'}"
+            )
+            # The whole message in the context: a template would read the braces of a JSON value as fields.
+            raise PydanticCustomError(
+                NEUTRAL_ONLY_ERROR, "{message}", {"message": message, "fields": [name for name, _ in sent]}
+            )
+        return self
 
     @property
     def include_usage(self) -> bool:
@@ -135,6 +151,14 @@ class CompletionRequest(_Common):
     best_of: int | None = None
     suffix: str | None = None
 
+    NEUTRAL: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {
+        **_Common.NEUTRAL,
+        "echo": (lambda v: v is False, "false"),
+        "logprobs": (lambda v: v is None, "null"),
+        "best_of": (lambda v: v in (None, 1), "null or 1"),
+        "suffix": (lambda v: not v, 'null or ""'),
+    }
+
     @field_validator("prompt")
     @classmethod
     def _prompt_text(cls, value: str | list[int] | list[str] | list[list[int]]) -> Any:
@@ -147,34 +171,6 @@ class CompletionRequest(_Common):
     @classmethod
     def _null_is_the_default(cls, value: int | None) -> int:
         return 16 if value is None else value  # OpenAI: null means the default, 16
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, value: bool) -> bool:
-        if value:
-            raise ValueError(f"echo {UNSUPPORTED_MSG}")
-        return value
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, value: int | None) -> int | None:
-        if value is not None:
-            raise ValueError(f"logprobs {UNSUPPORTED_MSG}")
-        return value
-
-    @field_validator("best_of")
-    @classmethod
-    def _no_best_of(cls, value: int | None) -> int | None:
-        if value not in (None, 1):
-            raise ValueError(f"best_of={value} {UNSUPPORTED_MSG}")
-        return value
-
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, value: str | None) -> str | None:
-        if value:
-            raise ValueError(f"suffix {UNSUPPORTED_MSG}")
-        return value
 
 
 class ChatMessage(BaseModel):
@@ -222,33 +218,21 @@ class ChatRequest(_Common):
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, value: bool) -> bool:
-        if value:
-            raise ValueError(f"logprobs {UNSUPPORTED_MSG}")
-        return value
+    NEUTRAL: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {
+        **_Common.NEUTRAL,
+        "logprobs": (lambda v: v is False, "false"),
+        "top_logprobs": (lambda v: v in (None, 0), "null or 0"),
+        "tools": (lambda v: not v, "null or []"),
+        # With no tools there is nothing to choose: only "none" says what happens.
+        "tool_choice": (lambda v: v in (None, "none"), 'null or "none"'),
+        "response_format": (lambda v: v in (None, {"type": "text"}), '{"type": "text"}'),
+    }
 
-    @field_validator("top_logprobs")
-    @classmethod
-    def _no_top_logprobs(cls, value: int | None) -> int | None:
-        if value:
-            raise ValueError(f"top_logprobs {UNSUPPORTED_MSG}")
-        return value
 
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, value: list[Any] | None) -> list[Any] | None:
-        if value:
-            raise ValueError(f"tools {UNSUPPORTED_MSG}")
-        return value
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is not None and value.get("type") != "text":
-            raise ValueError(f"response_format {value.get('type')!r} {UNSUPPORTED_MSG} (text only)")
-        return value
+def _shown(value: Any) -> str:
+    """A value as the client wrote it (JSON), cut to 60 characters."""
+    text = json.dumps(value, ensure_ascii=False, default=str)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 # -- responses -----------------------------------------------------------------
