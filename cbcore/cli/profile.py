@@ -2,7 +2,9 @@
 
 The profile (JSON) records the fitted step-time model, its fit error, and the
 hardware, model, dtype, backend and thread count it was measured with;
-``cb simulate --profile FILE`` reads it.
+``cb simulate --profile FILE`` reads it. ``cb profile --check`` times nothing:
+it prints how well each measured GPU profile reproduces rows held out of its
+own table.
 """
 
 from __future__ import annotations
@@ -37,6 +39,13 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
         "or to join profiles of one machine taken at different times)",
     )
     parser.add_argument(
+        "--check",
+        nargs="*",
+        metavar="NAME",
+        help="time nothing: print the held-out error of the measured GPU profiles (all, or those named), "
+        "per operator and per layer, beside the fitted roofline's",
+    )
+    parser.add_argument(
         "--force",
         action="store_true",
         help="write the profile even when its held-out fit error is above the threshold "
@@ -46,6 +55,8 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.check is not None:
+        return check(args.check)
     if args.refit:
         return refit(args.refit, args.out, args.force)
     import torch
@@ -88,6 +99,29 @@ def write(profile: Profile, out: str, retry: str, force: bool) -> None:
     if problem is not None:
         print(f"cb: warning: {problem.split(';')[0]}; written anyway (--force)", file=sys.stderr)
     profile.save(out)
+
+
+def check(names: list[str]) -> int:
+    from cbcore.sim.gpu import check as gpu_check
+    from cbcore.sim.gpu.catalog import CatalogError, all_specs, parse
+
+    specs = []
+    for name in names:
+        try:
+            spec = parse(name)
+        except CatalogError as exc:
+            raise CLIError(f"--check {name}: {exc}") from None
+        if spec is None:
+            raise CLIError(f"--check {name}: not a measured GPU profile (e.g. a100-llama-2-7b-tp1)")
+        specs.append(spec)
+    rows = gpu_check.check_all(specs or all_specs())
+    print("Held-out error of the measured GPU profiles (%; every fourth token count held out, the curves rebuilt")
+    print("without it): each operator, the whole layer (its operators summed), the four linear products beside")
+    print("the fitted roofline's error on them, the all-reduce (every fourth message size), and the extrapolation")
+    print("rule (tables cut at half their token range, the rest predicted).\n")
+    print(gpu_check.table(rows))
+    print("\n" + gpu_check.summary(rows))
+    return 0
 
 
 def refit(sources: list[str], out: str, force: bool = False) -> int:

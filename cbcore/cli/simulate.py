@@ -15,8 +15,15 @@ from cbcore.cli.bench import add_report_flags, add_row_flags, parse_sweep, write
 from cbcore.cli.main import CLIError
 
 EPILOG = """\
-profiles: a file written by `cb profile`, or a built-in roofline profile
-  (h100-llama-2-7b, h200-llama-3-8b); see docs/simulate.md for the file format.
+profiles: a file written by `cb profile`; a measured GPU profile, named GPU-MODEL-tpN (Vidur's
+  operator tables for linear and elementwise operators, the embedding and the all-reduce; attention
+  by roofline, not validated; `cb profile --check` prints each one's held-out error):
+{measured}
+  (A40 at TP 1 only: its tables have no all-reduce), or vidur:gpu=G,model=M,tp=N[,network=dgx|
+  pairwise-nvlink][,util=0.9] (pairwise NVLink: TP 2 and 4; util: share of GPU memory for weights
+  and KV cache); or the roofline profile h200-llama-3-8b (no measured H200 table).
+  Steps wider than a table (4,096 tokens; 32,768 for Llama-3) are extrapolated and counted per row
+  (extrapolated_steps). See docs/simulate.md.
 
 sweeps: --sweep KEY=V1,V2,... runs every row at each value of one workload key (one row per
   value x configuration; --plot draws each metric against the value); --jobs N simulates N points
@@ -41,7 +48,7 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
         conflict_handler="resolve",  # --config is repeatable here
         help="run policies on a simulated clock with a step cost model (cb profile)",
         description=__doc__.splitlines()[0],
-        epilog=EPILOG,
+        epilog=EPILOG.format(measured=_measured_names()),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--profile", required=True, metavar="FILE_OR_NAME", help="cost profile")
@@ -131,10 +138,28 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"simulated: {p.model} ({p.dtype}, {p.backend}) on {p.hardware}, {p.source} profile", file=sys.stderr
     )
+    for row in result.rows:
+        if row.get("extrapolated_steps"):
+            print(
+                f"cb: note: {row['name']}: {row['extrapolated_steps']} of {row['steps']} steps were wider than the "
+                f"profile's measured tables ({profile.describe().get('exact_up_to_tokens')} tokens) and were "
+                "priced in proportion to their tokens",
+                file=sys.stderr,
+            )
     if problem is not None:
         print(f"cb: warning: {problem.split(';')[0]}; used anyway (--force)", file=sys.stderr)
     write_reports(result, args, "cb simulate")
     return 0
+
+
+def _measured_names() -> str:
+    """The measured profiles, a few per line, for the help text."""
+    from cbcore.sim.gpu.catalog import summary
+
+    names, lines = summary(), []
+    for i in range(0, len(names), 3):
+        lines.append("    " + "  ".join(f"{n:30}" for n in names[i : i + 3]).rstrip())
+    return "\n".join(lines)
 
 
 def _sweep(args: argparse.Namespace, profile: Any, sweep: Any, configs: list[tuple[str, Any]], slo: Any) -> Any:

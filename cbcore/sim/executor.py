@@ -49,6 +49,12 @@ class SimExecutor:
         self.clock = clock
         self.block_size = block_size
         self.busy_s = 0.0
+        self.price = profile.pricer(block_size)
+
+    @property
+    def extrapolated_steps(self) -> int:
+        """Steps priced beyond the profile's measured tables (by its stated extrapolation rule)."""
+        return self.price.extrapolated
 
     def prepare(self, plan: StepPlan) -> StepShape:
         return StepShape.of(plan)
@@ -57,7 +63,7 @@ class SimExecutor:
         return None
 
     def forward(self, shape: StepShape) -> None:
-        cost = self.profile.step_time(shape, self.block_size)
+        cost = self.price(shape)
         self.busy_s += cost
         self.clock.advance(cost)
 
@@ -67,10 +73,18 @@ class SimExecutor:
 
 
 def sim_num_blocks(config: EngineConfig, profile: Profile) -> int:
-    """As the engine sizes its pool, with the profile's device memory where it states one."""
+    """As the engine sizes its pool, with the profile's device memory where it states one.
+
+    A measured GPU profile states its KV capacity in tokens (the GPUs' memory less the weights);
+    ``kv_cache.num_blocks`` or ``kv_cache.max_memory_mb`` in the config take precedence.
+    """
     kv = config.kv_cache
     if kv.num_blocks is not None:
         return kv.num_blocks
+    if "max_memory_mb" not in kv.model_fields_set:
+        tokens = profile.kv_capacity_tokens()
+        if tokens is not None:
+            return max(1, tokens // kv.block_size)
     memory_mb = kv.max_memory_mb
     if "max_memory_mb" not in kv.model_fields_set and profile.kv_memory_mb() is not None:
         memory_mb = profile.kv_memory_mb()

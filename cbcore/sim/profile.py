@@ -1,10 +1,12 @@
 """The profile file: a step-time model and the identity of what it describes.
 
 A profile is JSON (``cb profile --out`` writes one; roofline profiles are
-written by hand or shipped under ``cbcore/sim/profiles``). It says which
-hardware, model, dtype, backend and thread count it stands for, so a
-simulation states what it simulated, and a measured profile carries its fit
-error.
+written by hand or shipped under ``cbcore/sim/profiles``), or the name of a
+measured GPU profile built from the shipped operator tables
+(``a100-llama-2-7b-tp1``, :mod:`cbcore.sim.gpu`). It says which hardware,
+model, dtype, backend and thread count it stands for, so a simulation states
+what it simulated, and a measured profile carries its fit error or the
+assumptions it rests on.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError,
 
 from cbcore.config import format_validation_error
 from cbcore.sim.fitted import FittedCost
+from cbcore.sim.gpu.catalog import GPUS, MODELS, CatalogError, Spec, parse, summary
+from cbcore.sim.gpu.cost import MeasuredCost, StepPricer
 from cbcore.sim.model_shape import ModelShape
 from cbcore.sim.roofline import RooflineCost
 from cbcore.sim.shape import StepShape
@@ -74,7 +78,17 @@ class Profile(BaseModel):
     version: Literal[1] = 1
     identity: Identity
     model: ModelShape
-    cost: Annotated[FittedCost | RooflineCost, Field(discriminator="kind")]
+    cost: Annotated[FittedCost | RooflineCost | MeasuredCost, Field(discriminator="kind")]
+
+    @model_validator(mode="after")
+    def _tables_fit_model(self) -> Profile:
+        """Tables price the model they were measured with; only its context length may differ."""
+        if isinstance(self.cost, MeasuredCost):
+            want = MODELS[self.cost.spec.model].shape
+            keep = {"name", "max_position_embeddings"}
+            if self.model.model_dump(exclude=keep) != want.model_dump(exclude=keep):
+                raise ValueError(f"model: the {self.cost.model} tables price {want.model_dump(exclude=keep)}")
+        return self
 
     @property
     def dtype_bytes(self) -> int:
@@ -83,17 +97,33 @@ class Profile(BaseModel):
     def step_time(self, shape: StepShape, block_size: int) -> float:
         if isinstance(self.cost, FittedCost):
             return self.cost.step_time(shape)
+        if isinstance(self.cost, MeasuredCost):
+            return self.cost.step_time(shape, block_size)
         return self.cost.step_time(shape, self.model, self.dtype_bytes, block_size)
+
+    def pricer(self, block_size: int) -> StepPricer | _Pricer:
+        """``pricer(shape)`` -> seconds, with ``extrapolated``: the steps it priced beyond measured tables."""
+        if isinstance(self.cost, MeasuredCost):
+            return self.cost.pricer(block_size)
+        return _Pricer(self, block_size)
 
     def kv_memory_mb(self) -> float | None:
         """Device memory for the KV pool that the profile itself states (roofline hardware), if any."""
         return self.cost.hardware.kv_memory_mb if isinstance(self.cost, RooflineCost) else None
+
+    def kv_capacity_tokens(self) -> int | None:
+        """Tokens of KV cache the profile's GPUs hold (measured GPU profiles), if it says."""
+        return self.cost.kv_capacity_tokens() if isinstance(self.cost, MeasuredCost) else None
 
     def describe(self) -> dict[str, object]:
         data: dict[str, object] = self.identity.model_dump(exclude_none=True)
         if isinstance(self.cost, FittedCost):
             data["fit_mean_abs_error"] = self.cost.fit.mean_abs
             data["fit_holdout_mean_abs_error"] = self.cost.fit.holdout_mean_abs
+        elif isinstance(self.cost, MeasuredCost):
+            data.update(self.cost.describe())
+        else:
+            data["cost"] = "roofline from data-sheet numbers and the efficiencies in the file; not measured"
         return data
 
     def fit_error(self) -> float | None:
@@ -121,21 +151,60 @@ class Profile(BaseModel):
         Path(path).write_text(self.model_dump_json(indent=2) + "\n")
 
 
+class _Pricer:
+    """A profile's :meth:`Profile.step_time` as a pricer; fitted and roofline costs count no extrapolation."""
+
+    __slots__ = ("block_size", "extrapolated", "profile")
+
+    def __init__(self, profile: Profile, block_size: int) -> None:
+        self.profile, self.block_size, self.extrapolated = profile, block_size, 0
+
+    def __call__(self, shape: StepShape) -> float:
+        return self.profile.step_time(shape, self.block_size)
+
+
 def builtin_profiles() -> list[str]:
+    """The roofline profiles shipped as files (kept where no measured table exists)."""
     return sorted(p.stem for p in BUILTIN_DIR.glob("*.json"))
 
 
+def measured_profile(spec: Spec) -> Profile:
+    """The profile of one measured GPU x model x TP degree."""
+    gpu, model = GPUS[spec.gpu], MODELS[spec.model]
+    network = f", {spec.network} all-reduce" if spec.tp > 1 else ""
+    return Profile(
+        identity=Identity(
+            hardware=f"{gpu.name} x{spec.tp}{network}",
+            model=model.shape.name,
+            dtype="float16",
+            backend="measured operators, attention roofline",
+            source="measured",
+        ),
+        model=model.shape,
+        cost=MeasuredCost(gpu=spec.gpu, model=spec.model, tp=spec.tp, network=spec.network, util=spec.util),
+    )
+
+
 def load_profile(spec: str | Path) -> Profile:
-    """A path to a profile file, or the name of a built-in profile (``h200-llama-3-8b``)."""
+    """A path to a profile file, the name of a built-in roofline profile (``h200-llama-3-8b``), or of a
+    measured GPU profile (``a100-llama-2-7b-tp1``, ``vidur:gpu=a100,model=llama-2-7b,tp=1``)."""
     path = Path(spec)
     if not path.exists() and (BUILTIN_DIR / f"{spec}.json").exists():
         path = BUILTIN_DIR / f"{spec}.json"
+    if not path.exists():
+        try:
+            measured = parse(str(spec))
+        except CatalogError as exc:
+            raise ProfileError(f"profile {spec}: {exc}") from None
+        if measured is not None:
+            return measured_profile(measured)
     try:
         text = path.read_text()
     except OSError as exc:
         known = ", ".join(builtin_profiles())
         raise ProfileError(
-            f"cannot read profile {spec}: {exc.strerror} (built-in profiles: {known})"
+            f"cannot read profile {spec}: {exc.strerror} (built-in roofline profiles: {known}; "
+            f"measured GPU profiles: {', '.join(summary())})"
         ) from None
     try:
         return Profile.model_validate(json.loads(text))

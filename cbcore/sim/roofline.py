@@ -61,6 +61,24 @@ def linear_time_per_layer(hw: Hardware, model: ModelShape, tokens: int, dtype_by
     return sum(matmul_time(hw, tokens, i, o, dtype_bytes) for i, o in model.linear_layers())
 
 
+def attention_coefficients(
+    hw: Hardware, model: ModelShape, dtype_bytes: int, tp: int = 1
+) -> tuple[float, float, float]:
+    """One layer's attention on one GPU: seconds per query-key pair (compute), per key read and per
+    query token (memory: K and V of every key, the query in and its output out).
+
+    A step's attention is ``max(pairs * per_pair, keys * per_key + tokens * per_query)`` per layer.
+    With tensor parallelism each GPU has ``heads / tp`` query heads and ``ceil(kv_heads / tp)`` K/V
+    heads (replicated when there are fewer K/V heads than GPUs).
+    """
+    heads, kv_heads = model.num_heads // tp, -(-model.num_kv_heads // tp)
+    bw = hw.mem_bandwidth * hw.bandwidth_efficiency
+    per_pair = 4.0 * heads * model.head_dim / (hw.peak_flops * hw.attn_flops_efficiency)
+    per_key = 2 * kv_heads * model.head_dim * dtype_bytes / bw
+    per_query = 2 * heads * model.head_dim * dtype_bytes / bw
+    return per_pair, per_key, per_query
+
+
 class RooflineCost(BaseModel):
     """Step time for hardware that is not here, from the numbers of :class:`Hardware`."""
 
@@ -75,12 +93,8 @@ class RooflineCost(BaseModel):
         t_tokens = shape.num_tokens
         layers = model.num_layers
         linear = layers * linear_time_per_layer(hw, model, t_tokens, dtype_bytes)
-        attn_flops = 4.0 * shape.attn_pairs * model.num_heads * model.head_dim
-        kv_bytes = shape.kv_tokens * 2 * model.num_kv_heads * model.head_dim * dtype_bytes
-        q_bytes = 2 * t_tokens * model.num_heads * model.head_dim * dtype_bytes
-        attention = layers * max(
-            attn_flops / (hw.peak_flops * hw.attn_flops_efficiency), (kv_bytes + q_bytes) / bw
-        )
+        per_pair, per_key, per_query = attention_coefficients(hw, model, dtype_bytes)
+        attention = layers * max(shape.attn_pairs * per_pair, shape.kv_tokens * per_key + t_tokens * per_query)
         passes = HIDDEN_PASSES * model.hidden_size + INTERMEDIATE_PASSES * model.intermediate_size
         elementwise = layers * 2 * t_tokens * passes * dtype_bytes / bw
         head = matmul_time(hw, shape.num_samples, model.hidden_size, model.vocab_size, dtype_bytes)

@@ -66,6 +66,7 @@ def simulate_suite(
             "scheduler": config.scheduler.model_dump(exclude_defaults=True) or "default",
             "max_num_seqs": budget_limit(config, "max_num_seqs"),
             "kv_blocks": engines[0].engine.load().kv_blocks_total,
+            "extrapolated_steps": sum(r.engine.executor.extrapolated_steps for r in engines),
         }
         if placement is not None:
             run.info |= {
