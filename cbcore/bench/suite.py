@@ -86,7 +86,9 @@ class References:
     def get(self, prompt: Seq[int], req: BenchRequest) -> ReferenceOutput:
         key = (tuple(prompt), req.max_new_tokens, req.ignore_eos)
         if key not in self._cache:
-            (ref,) = reference_generate(self.model, [list(prompt)], [req.max_new_tokens], ignore_eos=req.ignore_eos)
+            (ref,) = reference_generate(
+                self.model, [list(prompt)], [req.max_new_tokens], ignore_eos=req.ignore_eos
+            )
             self._cache[key] = ref
         return self._cache[key]
 
@@ -100,7 +102,8 @@ def reference_check(
     """Every run against the per-prompt reference; the row reports its worst run."""
     checks = []
     for run in tries:
-        report = compare_greedy(model, run.outputs, refs.for_run(workload, run.outputs) if isinstance(refs, References) else refs)
+        expected = refs.for_run(workload, run.outputs) if isinstance(refs, References) else refs
+        report = compare_greedy(model, run.outputs, expected)
         checks.append({
             "identical_to_reference": report.num_identical == len(report.comparisons),
             "reference_near_ties": report.num_near_ties,
@@ -210,10 +213,11 @@ def run_suite(
         if name == "hf-generate-batch":
             limits["batch_tokens"] = batch_tokens
         baseline = {"hf-static": run_hf_static, "hf-generate-batch": run_hf_generate_batch}.get(name, run_seed_toy)
-        rows.append(Row(name, "baseline", partial(baseline, model, workload, token_ids, progress=progress, **limits)))
+        run = partial(baseline, model, workload, token_ids, progress=progress, **limits)
+        rows.append(Row(name, "baseline", run))
     check = None if refs is None else partial(reference_check, model, workload, refs)
-    result = run_rows(workload, [replace(r, run=partial(_measured, r.run)) for r in rows], repeat=repeat, slo=slo,
-                      check=check)  # fmt: skip
+    measured = [replace(row, run=partial(_measured, row.run)) for row in rows]
+    result = run_rows(workload, measured, repeat=repeat, slo=slo, check=check)
     result.workload["process_peak_rss_mb"] = process_peak_rss_bytes() / 2**20
     return result
 
@@ -261,7 +265,9 @@ def _median_run(tries: Seq[RunResult]) -> RunResult:
     return ordered[(len(ordered) - 1) // 2]
 
 
-def summarize_runs(workload: Workload, tries: Seq[RunResult], slo: SLO | None, check: Check | None) -> dict[str, Any]:
+def summarize_runs(
+    workload: Workload, tries: Seq[RunResult], slo: SLO | None, check: Check | None
+) -> dict[str, Any]:
     """A row from a configuration's runs: its median run's metrics, and what ``check`` says of every run."""
     run = _median_run(tries)
     row = summarize(

@@ -119,7 +119,8 @@ class Point:
 
 def draw_points(sweep: Sweep, spec: str, draw: Callable[[str], Workload]) -> list[Point]:
     """Every value's workload, drawn by ``draw`` as ``--workload`` would draw it (same seed: same prompts)."""
-    return [Point(value, point, draw(point)) for value, point in zip(sweep.values, sweep.points(spec), strict=True)]
+    specs = sweep.points(spec)
+    return [Point(value, point, draw(point)) for value, point in zip(sweep.values, specs, strict=True)]
 
 
 def annotate(row: dict[str, Any], sweep: Sweep, point: Point) -> dict[str, Any]:
@@ -170,7 +171,8 @@ def run_sweep(
     tasks = [(i, j) for i in range(len(points)) for j in range(len(configs))]
     log.info("running sweep points in parallel", points=len(tasks), jobs=jobs)
     # spawn: a fresh interpreter per worker, so no lock or thread pool of this process is inherited half-held.
-    with ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=multiprocessing.get_context("spawn")) as pool:
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=spawn) as pool:
         futures = {(i, j): pool.submit(_run_one, run, draw, points[i].spec, configs[j]) for i, j in tasks}
         parts = {key: f.result() for key, f in futures.items()}
     results = []

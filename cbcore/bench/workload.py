@@ -42,8 +42,10 @@ from cbcore.scheduling.sampling_params import SamplingParams
 #: The record fields that say how a request decodes (:meth:`RequestRecord.sampling_params`).
 SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "ignore_eos")
 #: The order of a record's fields in JSON (a trace reads best with the id and arrival first).
-JSON_ORDER = ("request_id", "arrival_s", "prompt", "messages", "prompt_token_ids", "max_new_tokens", "temperature",
-              "top_k", "top_p", "seed", "priority", "client_id", "ignore_eos", "deadline_s", "follows")  # fmt: skip
+JSON_ORDER = (
+    "request_id", "arrival_s", "prompt", "messages", "prompt_token_ids", "max_new_tokens", "temperature",
+    "top_k", "top_p", "seed", "priority", "client_id", "ignore_eos", "deadline_s", "follows",
+)  # fmt: skip
 #: Names earlier versions used for a field: read as the field, with a note.
 OLD_SPELLINGS = {"id": "request_id"}
 
@@ -131,7 +133,8 @@ class RequestRecord(RequestFields):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; give 'prompt' instead of 'messages'")
         messages = [m.model_dump() for m in self.messages or ()]
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        return list(ids)
 
     def to_json(self) -> dict[str, Any]:
         """The record as a JSON object: the fields it sets (and the scheduling fields), as a trace line reads."""

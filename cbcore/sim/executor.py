@@ -58,7 +58,8 @@ def sim_num_blocks(config: EngineConfig, profile: Profile) -> int:
     if "max_memory_mb" not in kv.model_fields_set and (memory_mb := profile.kv_memory_mb()) is not None:
         kv = kv.model_copy(update={"max_memory_mb": memory_mb})
     m = profile.model
-    return plan_num_blocks(kv, KVGeometry(m.num_layers, m.num_kv_heads, m.head_dim), getattr(torch, profile.identity.dtype))
+    geometry = KVGeometry(m.num_layers, m.num_kv_heads, m.head_dim)
+    return plan_num_blocks(kv, geometry, getattr(torch, profile.identity.dtype))
 
 
 def sim_engine(config: EngineConfig, profile: Profile, clock: VirtualClock | None = None) -> EngineCore:

@@ -47,8 +47,9 @@ def simulate_suite(
             f"workload {workload.name!r} is closed-loop (requests follow others' answers); "
             "the simulator replays open-loop workloads only"
         )
-    row = partial(_simulate, profile, workload, token_ids, progress, replicas, load_interval_s)
-    result = run_rows(workload, [Row(name, "simulated", partial(row, name, config)) for name, config in configs], slo=slo)
+    simulate = partial(_simulate, profile, workload, token_ids, progress, replicas, load_interval_s)
+    rows = [Row(name, "simulated", partial(simulate, name, config)) for name, config in configs]
+    result = run_rows(workload, rows, slo=slo)
     result.workload["profile"] = profile.describe()
     return result
 
@@ -78,7 +79,8 @@ def _simulate(
     engines = [sim_engine(config, profile, VirtualClock()) for _ in range(replicas)]
     placement = None
     if replicas > 1:
-        router = get_registry(tuple(config.plugins)).create("router", config.router.name, config.router.params, "router")
+        registry = get_registry(tuple(config.plugins))
+        router = registry.create("router", config.router.name, config.router.params, "router")
         placement = RouterPlacement(router, replicas, load_interval_s)
     run = drive(engines, name, workload, token_ids, placement=placement, progress=progress)
     run.info = {
