@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
@@ -345,6 +346,39 @@ def test_cb_simulate_refuses_a_bad_profile_in_one_line(tmp_path: Path, capsys) -
     assert main(["simulate", "--profile", str(bad), "--workload", "poisson:n=2"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("cb: error: profile") and "identity" in err and "\n" not in err
+
+
+BROKEN_QUEUE = """
+    from cbcore import hookimpl
+    from cbcore.policies import FCFS
+
+
+    class Broken(FCFS):
+        name = "broken"
+        fixed_keys = False
+
+        def key(self, seq, now):
+            raise RuntimeError("broken on purpose")
+
+
+    @hookimpl
+    def cbcore_register_policies():
+        return [Broken]
+"""
+
+
+def test_a_failing_row_is_reported_the_others_run_and_cb_simulate_exits_1(tmp_path: Path, capsys) -> None:
+    config = tmp_path / "broken.json"
+    config.write_text(json.dumps({"plugins": [write(tmp_path, "broken.py", BROKEN_QUEUE)],
+                                  "scheduler": {"queue": {"name": "broken"}}}))  # fmt: skip
+    out = tmp_path / "rows.json"
+    argv = ["simulate", "--profile", "h200-llama-3-8b", "--workload", "poisson:n=5,seed=0", "--no-progress"]
+    (tmp_path / "plain.json").write_text("{}")
+    assert main([*argv, "--config", str(config), "--config", str(tmp_path / "plain.json"), "--json", str(out)]) == 1
+    broken, plain = json.loads(out.read_text())["rows"]
+    assert broken["kind"] == "simulated" and "broken on purpose" in broken["error"]
+    assert plain["completed"] == 5 and "error" not in plain
+    assert re.search(r"broken: FAILED: SchedulerError: .* RuntimeError: broken on purpose", capsys.readouterr().out)
 
 
 def test_a_profile_from_before_packed_linears_loads_without_a_linear_kind():
