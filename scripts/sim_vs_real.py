@@ -35,16 +35,16 @@ from typing import Any
 
 import torch
 
-from cbcore.bench.driver import run_engine, warm_up
+from cbcore.bench.driver import drive, warm_up
 from cbcore.bench.metrics import summarize
 from cbcore.bench.sources import load_workload
+from cbcore.bench.stepcost import timed_steps
 from cbcore.bench.suite import prompt_token_ids
 from cbcore.cli.common import scheduler_from_mix
 from cbcore.cli.options_util import load_model
 from cbcore.config import EngineConfig
 from cbcore.engine import Engine
 from cbcore.sim.profile import load_profile
-from cbcore.sim.profiler import ShapeRecorder
 from cbcore.sim.shape import StepShape
 from cbcore.sim.suite import simulate_suite
 
@@ -66,13 +66,12 @@ def run(args: argparse.Namespace) -> None:
         for mix, config in configs.items():
             engine = Engine(model, tokenizer, config)
             warm_up(engine, token_ids)
-            recorder = ShapeRecorder(engine.executor)
-            engine.executor = recorder
-            result = run_engine(engine, mix, workload, token_ids)
+            with timed_steps(engine) as timed:
+                result = drive([engine], mix, workload, token_ids)
             row = summarize(mix, workload.requests, result.outputs, result.duration_s, steps=result.steps)
             steps = [
                 [s.num_seqs, s.prefill_tokens, s.decode_tokens, s.attn_pairs, s.kv_tokens, s.num_samples, t.total_s]
-                for s, t in zip(recorder.shapes, result.steps, strict=True)
+                for s, t in ((step.shape, step.stats) for step in timed)
             ]
             runs[mix].append({"figures": {k: row[k] for k in (*FIGURES, "preemptions", "steps")}, "steps": steps})
             print(f"repeat {repeat + 1}, {mix}: {result.duration_s:.1f} s, {row['preemptions']} preemptions")

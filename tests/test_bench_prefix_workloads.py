@@ -40,15 +40,15 @@ def test_turns_follow_each_other_with_a_think_time():
 
 
 def test_a_follow_up_must_name_an_earlier_request():
-    first = BenchRequest("a", 0.0, 2, prompt_token_ids=(1, 2))
+    first = BenchRequest(request_id="a", arrival_s=0.0, max_new_tokens=2, prompt_token_ids=(1, 2))
     with pytest.raises(WorkloadError, match="'b' follows 'zzz', which is not an earlier request"):
-        Workload("w", (first, BenchRequest("b", 0.1, 2, prompt_token_ids=(3,), follows="zzz")))
+        Workload("w", (first, BenchRequest(request_id="b", arrival_s=0.1, max_new_tokens=2, prompt_token_ids=(3,), follows="zzz")))
 
 
 def test_arrivals_release_a_turn_think_time_after_the_answer_with_the_whole_history():
     reqs = (
-        BenchRequest("a", 1.0, 2, prompt_token_ids=(1, 2)),
-        BenchRequest("b", 0.5, 2, prompt_token_ids=(7,), follows="a"),
+        BenchRequest(request_id="a", arrival_s=1.0, max_new_tokens=2, prompt_token_ids=(1, 2)),
+        BenchRequest(request_id="b", arrival_s=0.5, max_new_tokens=2, prompt_token_ids=(7,), follows="a"),
     )
     arrivals = Arrivals(reqs, start=100.0, token_ids=[[1, 2], [7]])
     assert list(arrivals.due(100.9)) == []

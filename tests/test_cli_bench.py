@@ -177,8 +177,8 @@ def test_ignore_eos_runs_to_the_cap_in_reference_and_baselines() -> None:
     model.generation_config.eos_token_id = first
     model.config.eos_token_id = first
     reqs = [
-        BenchRequest("stop", 0.0, 6, prompt_token_ids=tuple(prompt)),
-        BenchRequest("go-on", 0.0, 6, prompt_token_ids=tuple(prompt), ignore_eos=True),
+        BenchRequest(request_id="stop", arrival_s=0.0, max_new_tokens=6, prompt_token_ids=tuple(prompt)),
+        BenchRequest(request_id="go-on", arrival_s=0.0, max_new_tokens=6, prompt_token_ids=tuple(prompt), ignore_eos=True),
     ]
     work = Workload("eos", tuple(reqs))
     ids = [prompt, prompt]

@@ -234,3 +234,24 @@ def test_an_unwritable_output_fails_before_the_model_loads(cb_tiny_model_dir, tm
         capsys, "generate", "--model", str(cb_tiny_model_dir), "-o", str(tmp_path / "no" / "dir" / "out.jsonl"), "hi"
     )
     assert code != 0 and "cannot write --output" in err
+
+
+def test_request_files_share_the_trace_record_and_read_its_old_id_spelling_with_a_note(tmp_path, capsys):
+    from cbcore.cli.requests_util import read_jobs
+
+    src = write_jsonl(
+        tmp_path / "in.jsonl",
+        {"prompt": "a", "id": "old-1"},
+        {"prompt": "b", "id": "old-2"},
+        {"prompt_token_ids": [5, 6], "request_id": "ids", "ignore_eos": True},
+        {"prompt": "c", "arrival_s": 1.0},
+    )
+    jobs, bad = read_jobs(str(src), {"max_new_tokens": 4})
+    assert [j.request_id for j in jobs] == ["old-1", "old-2", "ids"]
+    assert jobs[2].params.ignore_eos and jobs[2].record.token_ids(None) == [5, 6]
+    assert [str(b) for b in bad] == [
+        f"{src}:4: arrival_s: every request of a request file starts at once (arrival times and follow-ups "
+        "are for cb bench and cb simulate workloads)"
+    ]
+    err = capsys.readouterr().err
+    assert err.count("'id' is read as 'request_id'") == 1  # one note per file

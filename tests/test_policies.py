@@ -24,7 +24,7 @@ from cbcore.policies.preemption import PreemptionParams, SwapParams, pick_victim
 from cbcore.policies.priority import PriorityParams
 from cbcore.policies.static import StaticParams
 from cbcore.scheduling.policy import BudgetPolicy, PreemptionPolicy, QueuePolicy, SchedulerState, StepLimits
-from cbcore.scheduling.scheduler import SchedulerError, SchedulerStall
+from cbcore.scheduling.scheduler import SchedulerStall
 from cbcore.scheduling.sequence import FinishReason, SequenceStatus
 
 

@@ -134,7 +134,7 @@ def test_generate_takes_per_prompt_lists(models):
 
 
 def test_trace_carries_deadline_and_attrs(tmp_path):
-    req = BenchRequest("r", 0.5, 4, prompt_token_ids=(1, 2), priority=1, client_id="a", deadline_s=3.0,
+    req = BenchRequest(request_id="r", arrival_s=0.5, max_new_tokens=4, prompt_token_ids=(1, 2), priority=1, client_id="a", deadline_s=3.0,
                        attrs={"tier": "gold", "n": [1, 2]})
     path = tmp_path / "trace.jsonl"
     Workload("w", (req,)).save(path)

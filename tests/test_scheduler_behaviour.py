@@ -23,16 +23,16 @@ import torch
 from cbcore.execution.kv_cache import KVCache
 from cbcore.policies import FCFS, ChunkedPrefill, Priority, Recompute, Static, Swap, TokenBudget, WholePrompt
 from cbcore.policies.chunked_prefill import ChunkedPrefillParams
-from cbcore.policies.preemption import PreemptionParams, SwapParams
+from cbcore.policies.preemption import SwapParams
 from cbcore.policies.priority import PriorityParams
 from cbcore.policies.static import StaticParams
 from cbcore.policies.token_budget import TokenBudgetParams
 from cbcore.scheduling.block_manager import BlockManager
 from cbcore.scheduling.door import Door
+from cbcore.scheduling.plan import StepPlan
 from cbcore.scheduling.policy import BudgetPolicy, PreemptionPolicy, PrefillPolicy, QueuePolicy, StepResult
 from cbcore.scheduling.policy_scheduler import PolicyScheduler
 from cbcore.scheduling.sampling_params import SamplingParams
-from cbcore.scheduling.plan import StepPlan
 from cbcore.scheduling.scheduler import SchedulerOutput
 from cbcore.scheduling.sequence import FinishReason, Sequence
 from cbcore.scheduling.step import Steps, StepTransaction

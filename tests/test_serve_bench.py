@@ -38,7 +38,7 @@ def test_the_http_driver_puts_each_field_where_the_server_reads_it() -> None:
     from cbcore.bench.http_driver import request_body, server_dialect
     from cbcore.bench.workload import BenchRequest, Workload
 
-    req = BenchRequest("r", 0.0, 3, prompt_token_ids=(1, 2), priority=1, client_id="a", deadline_s=2.0,
+    req = BenchRequest(request_id="r", arrival_s=0.0, max_new_tokens=3, prompt_token_ids=(1, 2), priority=1, client_id="a", deadline_s=2.0,
                        attrs={"tier": "gold"})  # fmt: skip
     cb = request_body("m", req, [1, 2], "cbcore")
     assert (cb["priority"], cb["user"], cb["deadline_s"], cb["attrs"]) == (1, "a", 2.0, {"tier": "gold"})
@@ -48,7 +48,7 @@ def test_the_http_driver_puts_each_field_where_the_server_reads_it() -> None:
     assert server_dialect("vllm", Workload("w", (req,))) == "vllm"
     with pytest.raises(ValueError, match="no way to receive the workload's attrs, deadline_s, priority"):
         server_dialect("openai", Workload("w", (req,)))
-    plain = BenchRequest("p", 0.0, 3, prompt_token_ids=(1, 2))
+    plain = BenchRequest(request_id="p", arrival_s=0.0, max_new_tokens=3, prompt_token_ids=(1, 2))
     assert server_dialect(None, Workload("w", (plain,))) == "openai"
     assert "priority" not in request_body("m", plain, [1, 2], "openai")
 
@@ -59,7 +59,7 @@ def test_every_http_run_starts_with_the_servers_prefix_cache_empty(tiny_server) 
     from cbcore.bench.workload import BenchRequest, Workload
 
     reqs = tuple(
-        BenchRequest(f"cold-{i}", 0.0, 2, prompt_token_ids=tuple(range(300 + 40 * i, 340 + 40 * i)), ignore_eos=True)
+        BenchRequest(request_id=f"cold-{i}", arrival_s=0.0, max_new_tokens=2, prompt_token_ids=tuple(range(300 + 40 * i, 340 + 40 * i)), ignore_eos=True)
         for i in range(3)
     )
     for _ in range(2):

@@ -6,11 +6,11 @@ import json
 from pathlib import Path
 
 from cbcore import Router
+from cbcore.bench.driver import VirtualClock, drive
 from cbcore.bench.generator import generate
 from cbcore.cli.main import main
 from cbcore.config import EngineConfig
-from cbcore.sim.executor import VirtualClock, sim_engine
-from cbcore.sim.loop import Replica, simulate_run
+from cbcore.sim.executor import sim_engine
 from cbcore.sim.profile import load_profile
 from cbcore.sim.routing import RouterPlacement, replica_ids
 
@@ -38,12 +38,9 @@ def run(router: Router, n: int, interval: float):
     workload = generate(WORKLOAD, profile.model.vocab_size)
     ids = [r.token_ids(None) for r in workload.requests]
     cfg = EngineConfig.from_dict({}, ["scheduler.budget.max_num_seqs=4"])
-    replicas = []
-    for _ in range(n):
-        clock = VirtualClock()
-        replicas.append(Replica(sim_engine(cfg, profile, clock), clock))
-    placement = RouterPlacement(router, n, {r.request_id: i for r, i in zip(workload.requests, ids, strict=True)}, interval)
-    result = simulate_run(replicas, "x", workload, ids, placement=placement)
+    engines = [sim_engine(cfg, profile, VirtualClock()) for _ in range(n)]
+    placement = RouterPlacement(router, n, interval)
+    result = drive(engines, "x", workload, ids, placement=placement)
     return result, placement, workload
 
 
@@ -111,20 +108,17 @@ def test_routers_see_what_policies_see_and_each_replicas_tokens() -> None:
 
     profile = load_profile("h200-llama-3-8b")
     reqs = tuple(
-        BenchRequest(f"r{i}", 0.001 * i, 8 + i, prompt_token_ids=tuple(range(1, 30 + i)), priority=i % 2,
+        BenchRequest(request_id=f"r{i}", arrival_s=0.001 * i, max_new_tokens=8 + i,
+                     prompt_token_ids=tuple(range(1, 30 + i)), priority=i % 2,
                      client_id=f"c{i % 3}", deadline_s=1.0 + i, attrs={"tier": "gold" if i % 2 else "free"})
         for i in range(24)
     )  # fmt: skip
     workload = Workload("views", reqs)
     ids = [r.token_ids(None) for r in reqs]
     cfg = EngineConfig.from_dict({}, ["scheduler.budget.max_num_seqs=2"])
-    replicas = []
-    for _ in range(2):
-        clock = VirtualClock()
-        replicas.append(Replica(sim_engine(cfg, profile, clock), clock))
+    engines = [sim_engine(cfg, profile, VirtualClock()) for _ in range(2)]
     router = Watching()
-    placement = RouterPlacement(router, 2, {r.request_id: i for r, i in zip(reqs, ids, strict=True)}, 0.001)
-    simulate_run(replicas, "x", workload, ids, placement=placement)
+    drive(engines, "x", workload, ids, placement=RouterPlacement(router, 2, 0.001))
     seen = {r.request_id: r for r in router.requests}
     assert len(seen) == len(reqs)
     for req in reqs:

@@ -3,27 +3,28 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
 import pytest
 from test_plugins import SERIAL_SCHEDULER, write
 
-from cbcore.bench.driver import run_engine, warm_up
+from cbcore.bench.driver import VirtualClock, drive, warm_up
 from cbcore.bench.generator import generate
+from cbcore.bench.stepcost import timed_steps
 from cbcore.bench.workload import BenchRequest, Workload
 from cbcore.cli.main import main
 from cbcore.config import EngineConfig
 from cbcore.engine import Engine
-from cbcore.engine_core import StepRecord
+from cbcore.engine_core import EngineCore, StepRecord
 from cbcore.sim.anchor import LLAMA_2_7B, check_linear, load_linear
-from cbcore.sim.executor import VirtualClock, sim_engine
+from cbcore.sim.executor import sim_engine
 from cbcore.sim.fitted import fit_cost, nnls, refit
 from cbcore.sim.gpu.check import roofline_hardware
-from cbcore.sim.loop import Replica, simulate_run
 from cbcore.sim.model_shape import ModelShape
 from cbcore.sim.profile import Identity, Profile, ProfileError, load_profile
-from cbcore.sim.profiler import QUICK, ShapeRecorder, make_profile, profile_config
+from cbcore.sim.profiler import QUICK, make_profile, profile_config
 from cbcore.sim.shape import StepShape
 from cbcore.sim.suite import simulate_suite
 from cbcore.testing.block_invariants import check_blocks
@@ -87,11 +88,10 @@ def test_the_simulated_schedule_is_the_engines_step_for_step(models, tiny_profil
     real = Engine(model, None, cfg)
     warm_up(real, ids)
     real_steps = schedules(real)
-    real_run = run_engine(real, "real", workload, ids)
-    clock = VirtualClock()
-    sim = sim_engine(cfg, tiny_profile, clock)
+    real_run = drive([real], "real", workload, ids)
+    sim = sim_engine(cfg, tiny_profile, VirtualClock())
     sim_steps = schedules(sim)
-    sim_run = simulate_run([Replica(sim, clock)], "sim", workload, ids)
+    sim_run = drive([sim], "sim", workload, ids)
 
     assert sim_steps == real_steps
     assert any(pre for _, pre in real_steps), "the tight KV cache should force preemptions"
@@ -235,14 +235,12 @@ def test_simulated_metrics_follow_the_real_run_they_were_fitted_on(models) -> No
     cfg = config()
     engine = Engine(model, None, cfg)
     warm_up(engine, ids)
-    recorder = ShapeRecorder(engine.executor)
-    engine.executor = recorder
-    real = run_engine(engine, "real", workload, ids)
-    times = [s.total_s for s in real.steps if s.num_seqs]
-    cost = fit_cost(recorder.shapes, times, QUICK.knots)
+    with timed_steps(engine) as timed:
+        real = drive([engine], "real", workload, ids)
+    assert [t.stats for t in timed] == [s for s in real.steps if s.num_seqs]
+    cost = fit_cost([t.shape for t in timed], [t.stats.total_s for t in timed], QUICK.knots)
     profile = measured_profile(model, cost)
-    clock = VirtualClock()
-    sim = simulate_run([Replica(sim_engine(cfg, profile, clock), clock)], "sim", workload, ids)
+    sim = drive([sim_engine(cfg, profile, VirtualClock())], "sim", workload, ids)
 
     def mean(run, key: str) -> float:
         vals = [getattr(o.metrics, key) for o in run.outputs]
@@ -263,9 +261,9 @@ class RoundRobin:
         self.n = 0
         self.finished: list[tuple[str, int]] = []
 
-    def place(self, request: BenchRequest, replicas: Seq[Replica]) -> int:
+    def place(self, request: BenchRequest, prompt: Seq[int], engines: Seq[EngineCore]) -> int:
         self.n += 1
-        return (self.n - 1) % len(replicas)
+        return (self.n - 1) % len(engines)
 
     def done(self, request_id: str, replica: int) -> None:
         self.finished.append((request_id, replica))
@@ -278,18 +276,15 @@ def test_several_replicas_share_one_virtual_timeline() -> None:
     cfg = EngineConfig.from_dict({}, ["scheduler.budget.max_num_seqs=8"])
 
     def run(n: int, placement=None):
-        replicas = []
-        for _ in range(n):
-            clock = VirtualClock()
-            replicas.append(Replica(sim_engine(cfg, profile, clock), clock))
-        return simulate_run(replicas, f"x{n}", workload, ids, placement=placement), replicas
+        engines = [sim_engine(cfg, profile, VirtualClock()) for _ in range(n)]
+        return drive(engines, f"x{n}", workload, ids, placement=placement), engines
 
     one, _ = run(1)
     rr = RoundRobin()
     four, replicas = run(4, rr)
     assert all(o.finish_reason == "length" for o in four.outputs)
     assert sorted(r for _, r in rr.finished) == sorted(i % 4 for i in range(200))
-    assert {len(r.engine.step_stats) > 0 for r in replicas} == {True}
+    assert {len(e.step_stats) > 0 for e in replicas} == {True}
     ttft = lambda run: sum(o.metrics.ttft for o in run.outputs) / len(run.outputs)  # noqa: E731
     assert ttft(four) < ttft(one)  # four engines drain the queue that one engine builds
     for out, req in zip(four.outputs, workload.requests, strict=True):
@@ -352,6 +347,39 @@ def test_cb_simulate_refuses_a_bad_profile_in_one_line(tmp_path: Path, capsys) -
     assert main(["simulate", "--profile", str(bad), "--workload", "poisson:n=2"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("cb: error: profile") and "identity" in err and "\n" not in err
+
+
+BROKEN_QUEUE = """
+    from cbcore import hookimpl
+    from cbcore.policies import FCFS
+
+
+    class Broken(FCFS):
+        name = "broken"
+        fixed_keys = False
+
+        def key(self, seq, now):
+            raise RuntimeError("broken on purpose")
+
+
+    @hookimpl
+    def cbcore_register_policies():
+        return [Broken]
+"""
+
+
+def test_a_failing_row_is_reported_the_others_run_and_cb_simulate_exits_1(tmp_path: Path, capsys) -> None:
+    config = tmp_path / "broken.json"
+    config.write_text(json.dumps({"plugins": [write(tmp_path, "broken.py", BROKEN_QUEUE)],
+                                  "scheduler": {"queue": {"name": "broken"}}}))  # fmt: skip
+    out = tmp_path / "rows.json"
+    argv = ["simulate", "--profile", "h200-llama-3-8b", "--workload", "poisson:n=5,seed=0", "--no-progress"]
+    (tmp_path / "plain.json").write_text("{}")
+    assert main([*argv, "--config", str(config), "--config", str(tmp_path / "plain.json"), "--json", str(out)]) == 1
+    broken, plain = json.loads(out.read_text())["rows"]
+    assert broken["kind"] == "simulated" and "broken on purpose" in broken["error"]
+    assert plain["completed"] == 5 and "error" not in plain
+    assert re.search(r"broken: FAILED: SchedulerError: .* RuntimeError: broken on purpose", capsys.readouterr().out)
 
 
 def test_a_profile_from_before_packed_linears_loads_without_a_linear_kind():

@@ -11,7 +11,7 @@ import pytest
 
 from cbcore.bench.generator import arrival_times, generate, parse_spec
 from cbcore.bench.sources import load_workload, seed_workload
-from cbcore.bench.workload import Workload, WorkloadError
+from cbcore.bench.workload import RequestRecord, Workload, WorkloadError
 from cbcore.demo.run import DEMO_REQUESTS
 
 VOCAB = 512
@@ -146,8 +146,8 @@ GOOD = {"arrival_s": 0.0, "prompt_token_ids": [5, 6], "max_new_tokens": 3}
         ({"arrival_s": 1.0, "prompt_token_ids": [5]}, r":2: max_new_tokens: Field required"),
         ({**GOOD, "arrival_s": -0.5}, r":2: arrival_s: Input should be greater than or equal to 0"),
         ({**GOOD, "max_new_tokens": 0}, r":2: max_new_tokens"),
-        ({"arrival_s": 0, "max_new_tokens": 2}, r":2: .*exactly one of prompt"),
-        ({**GOOD, "prompt": "hi"}, r":2: .*exactly one of prompt"),
+        ({"arrival_s": 0, "max_new_tokens": 2}, r":2: .*exactly one of 'prompt'"),
+        ({**GOOD, "prompt": "hi"}, r":2: .*exactly one of 'prompt'"),
         ({**GOOD, "prompt_token_ids": [3, -1]}, r":2: .*negative id"),
         ({**GOOD, "colour": "red"}, r":2: colour: Extra inputs are not permitted"),
         ("{not json", r":2: not valid JSON"),
@@ -197,3 +197,42 @@ def test_bad_generator_spec_names_the_key(spec: str, message: str) -> None:
 def test_generator_needs_the_vocabulary() -> None:
     with pytest.raises(WorkloadError, match="vocabulary size"):
         load_workload("poisson:n=2")
+
+
+def test_every_record_field_survives_a_trace_round_trip() -> None:
+    """A field the JSON writer forgets would silently vanish from saved traces."""
+    full = {
+        "request_id": "a", "arrival_s": 0.5, "prompt_token_ids": [3, 4], "max_new_tokens": 2, "temperature": 0.5,
+        "top_k": 3, "top_p": 0.9, "seed": 7, "ignore_eos": True, "priority": 2, "client_id": "c", "deadline_s": 1.5,
+        "follows": "z", "attrs": {"tier": ["gold"]},
+    }  # fmt: skip
+    prompts = {"prompt": "hi", "messages": [{"role": "user", "content": "hi", "name": "x"}]}
+    assert {*full, *prompts} == set(RequestRecord.model_fields), "a new record field needs a place in this test"
+    for data in (full, *({**full, "prompt_token_ids": None, key: value} for key, value in prompts.items())):
+        data = {k: v for k, v in data.items() if v is not None}
+        record = RequestRecord.model_validate(data)
+        assert record.to_json() == data
+        assert RequestRecord.model_validate(record.to_json()) == record
+
+
+def test_the_old_id_spelling_is_read_as_request_id_and_both_at_once_are_refused(tmp_path) -> None:
+    path = _trace(tmp_path, {**GOOD, "id": "old"})
+    assert [r.request_id for r in Workload.load(path).requests] == ["old"]
+    with pytest.raises(WorkloadError, match=r":2: give 'request_id' only \('id' is its old spelling\)"):
+        Workload.load(_trace(tmp_path, GOOD, {**GOOD, "id": "x", "request_id": "y"}))
+
+
+def test_a_workload_decodes_greedily_and_says_where_sampling_belongs(tmp_path) -> None:
+    with pytest.raises(WorkloadError, match=r":1: temperature: a workload decodes greedily"):
+        Workload.load(_trace(tmp_path, {**GOOD, "temperature": 0.7}))
+
+
+def test_one_record_gives_the_sampling_params_and_the_prompt() -> None:
+    record = RequestRecord.model_validate({"prompt_token_ids": [5], "temperature": 0.5, "ignore_eos": True})
+    params = record.sampling_params({"max_new_tokens": 9, "temperature": 0.0})
+    assert (params.max_new_tokens, params.temperature, params.ignore_eos) == (9, 0.5, True)
+    assert record.token_ids(None) == [5] and not record.is_text
+    text = RequestRecord(prompt="hi")
+    assert text.is_text
+    with pytest.raises(WorkloadError, match="a text prompt needs a tokenizer"):
+        text.token_ids(None)

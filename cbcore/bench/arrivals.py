@@ -28,45 +28,48 @@ class Arrivals:
         self.start = start
         self._requests = requests
         self._own = token_ids
-        self._prompts: dict[int, list[int]] = {}
+        self._histories: dict[int, list[int]] = {}  # the prompts of follow-up turns (the others are their own)
         self._times: dict[int, float] = {}
         self._followers: dict[str, list[int]] = {}
         self._heap: list[tuple[float, int]] = []
         for i, req in enumerate(requests):
             if req.follows is None:
-                self._schedule(i, start + req.arrival_s, list(token_ids[i]))
+                self._schedule(i, start + req.arrival_s)
             else:
                 self._followers.setdefault(req.follows, []).append(i)
-        self._index = {r.request_id: i for i, r in enumerate(requests)}
         self._released = 0
 
-    def _schedule(self, i: int, at: float, prompt: list[int]) -> None:
+    def _schedule(self, i: int, at: float) -> None:
         self._times[i] = at
-        self._prompts[i] = prompt
         heapq.heappush(self._heap, (at, i))
 
     def due(self, now: float) -> Iterator[int]:
         """Indices whose arrival time has come, earliest first."""
         while self._heap and self._heap[0][0] <= now:
-            _, i = heapq.heappop(self._heap)
-            self._released += 1
-            yield i
+            yield self.pop()
+
+    def pop(self) -> int:
+        """The index of the earliest known arrival, taken off the queue."""
+        self._released += 1
+        return heapq.heappop(self._heap)[1]
 
     def arrival_time(self, i: int) -> float:
         return self._times[i]
 
-    def prompt(self, i: int) -> list[int]:
-        return self._prompts[i]
+    def prompt(self, i: int) -> Seq[int]:
+        return self._histories[i] if i in self._histories else self._own[i]
 
     def finished(self, i: int, output: RequestOutput, now: float) -> None:
         """Request ``i`` is done: schedule the turns that follow it (their think time starts now)."""
         done_at = output.metrics.finish_time if output.metrics and output.metrics.finish_time else now
-        history = self._prompts[i] + list(output.output_token_ids)
+        history = [*self.prompt(i), *output.output_token_ids]
         for j in self._followers.get(self._requests[i].request_id, ()):
-            self._schedule(j, done_at + self._requests[j].arrival_s, history + list(self._own[j]))
+            self._histories[j] = history + list(self._own[j])
+            self._schedule(j, done_at + self._requests[j].arrival_s)
 
     @property
     def exhausted(self) -> bool:
+        """Every request has been released."""
         return self._released >= len(self._requests)
 
     def next_time(self) -> float | None:

@@ -30,18 +30,10 @@ import torch
 from cbcore.bench.arrivals import Arrivals, prompt_bounds
 from cbcore.bench.driver import ProgressFactory, RunResult, no_progress
 from cbcore.bench.workload import BenchRequest, Workload
+from cbcore.models.loading import eos_token_ids
 from cbcore.outputs import RequestMetrics, RequestOutput
 
 BASELINES = ("hf-static", "hf-generate-batch", "seed-toy")  # seed-toy: cbcore.bench.seed_toy
-
-
-def eos_ids(model: torch.nn.Module) -> list[int]:
-    eos = getattr(model.generation_config, "eos_token_id", None)
-    if eos is None:
-        eos = getattr(model.config, "eos_token_id", None)
-    if eos is None:
-        return []
-    return [eos] if isinstance(eos, int) else list(eos)
 
 
 def cut(tokens: Seq[int], req: BenchRequest, eos: Seq[int]) -> tuple[list[int], str]:
@@ -125,7 +117,7 @@ def run_hf_static(
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     requests = workload.requests
-    eos = eos_ids(model)
+    eos = list(eos_token_ids(model))
     pad = _pad_id(model, eos)
     device = next(model.parameters()).device
     outputs: dict[int, RequestOutput] = {}
@@ -202,7 +194,7 @@ def run_hf_generate_batch(
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
     requests = workload.requests
-    eos = eos_ids(model)
+    eos = list(eos_token_ids(model))
     config = GenerationConfig(
         max_new_tokens=max(r.max_new_tokens for r in requests),
         do_sample=False,

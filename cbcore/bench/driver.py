@@ -1,15 +1,27 @@
-"""Running one workload through one engine, with arrivals honoured in wall time.
+"""Driving a workload through engines: one loop, on wall time or on virtual time.
 
-A request is handed to the engine only once its arrival offset has passed on
-the wall clock, and its arrival time is the scheduled one, not the moment the
-loop got round to it: if a step is in progress when a request arrives, the
-wait counts against the request (queue time and TTFT), as it would for a
-client of a real server.
+The loop always acts at the earliest moment anything can happen: the next
+arrival (handed to the engine a placement picks) or the next step of a busy
+engine. What time is, is each engine's own clock: the real engine's reads the
+wall clock, and waiting for an arrival sleeps until it; the simulator's is a
+:class:`VirtualClock` that only its steps advance (by what each costs), and
+waiting jumps to the arrival. So one loop serves ``cb bench`` and
+``cb simulate``, and a policy sees the same sequence of events in both.
+
+A request's arrival time is the scheduled one, not the moment the loop got
+round to it: if a step is in progress when a request arrives, the wait counts
+against the request (queue time and TTFT), as it would for a client of a real
+server. Requests that arrived by the start of a step join before it.
+
+With several engines (simulated replicas, each on its own virtual clock) the
+loop steps whichever busy engine's clock is earliest, so N engines serve one
+stream of requests side by side on one timeline.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
@@ -18,7 +30,6 @@ from typing import Any, Protocol
 
 from cbcore.bench.arrivals import Arrivals
 from cbcore.bench.workload import BenchRequest, Workload
-from cbcore.engine import Engine
 from cbcore.engine_core import EngineCore, RequestError, StepRecord
 from cbcore.outputs import RequestOutput, StepStats
 from cbcore.scheduling.sampling_params import SamplingParams
@@ -46,7 +57,7 @@ class RunResult:
     """What one configuration (or baseline) did with the workload; outputs in workload order."""
 
     name: str
-    kind: str  # "cbcore" or "baseline"
+    kind: str  # "cbcore", "simulated" or "baseline"
     outputs: list[RequestOutput]
     duration_s: float
     busy_s: float | None = None  # duration minus the time spent waiting for arrivals
@@ -54,8 +65,50 @@ class RunResult:
     info: dict[str, Any] = field(default_factory=dict)
 
 
-def sampling_params(req: BenchRequest) -> SamplingParams:
-    return SamplingParams(max_new_tokens=req.max_new_tokens, ignore_eos=req.ignore_eos)
+class VirtualClock:
+    """Simulated seconds; only an executor (a step's cost) and waiting for an arrival move it."""
+
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        if not seconds >= 0:
+            raise ValueError(f"the clock cannot go back or stall on a non-number: {seconds}")
+        self.now += seconds
+
+    def wait_until(self, when: float) -> None:
+        self.now = max(self.now, when)
+
+
+class WallClock:
+    """An engine's own clock (wall time), where waiting is sleeping."""
+
+    def __init__(self, now: Callable[[], float], sleep: Callable[[float], None] = time.sleep) -> None:
+        self.now, self.sleep = now, sleep
+
+    def __call__(self) -> float:
+        return self.now()
+
+    def wait_until(self, when: float) -> None:
+        if (delay := when - self.now()) > 0:
+            self.sleep(delay)
+
+
+class Placement(Protocol):
+    """Which engine serves each request (a router plugin behind an adapter, for N replicas)."""
+
+    def place(self, request: BenchRequest, prompt: Seq[int], engines: Seq[EngineCore]) -> int: ...
+    def done(self, request_id: str, engine: int) -> None: ...
+
+
+class OneEngine:
+    def place(self, request: BenchRequest, prompt: Seq[int], engines: Seq[EngineCore]) -> int:
+        return 0
+
+    def done(self, request_id: str, engine: int) -> None: ...
 
 
 def submit(
@@ -65,7 +118,7 @@ def submit(
     try:
         engine.add_request(
             list(token_ids),
-            sampling_params(req),
+            req.sampling_params(),
             request_id=req.request_id,
             priority=req.priority,
             client_id=req.client_id,
@@ -78,7 +131,7 @@ def submit(
     return None
 
 
-def warm_up(engine: Engine, token_ids: Seq[Seq[int]]) -> None:
+def warm_up(engine: EngineCore, token_ids: Seq[Seq[int]]) -> None:
     """A short prefill + decode through this engine, so first-call costs are not timed.
 
     The prefix cache is emptied afterwards: the warm-up's prompts are the
@@ -89,54 +142,86 @@ def warm_up(engine: Engine, token_ids: Seq[Seq[int]]) -> None:
     engine.reset_prefix_cache()
 
 
-def run_engine(
-    engine: Engine,
+def drive(
+    engines: Seq[EngineCore],
     name: str,
     workload: Workload,
     token_ids: Seq[Seq[int]],
     *,
+    placement: Placement | None = None,
     progress: ProgressFactory = no_progress,
     sleep: Callable[[float], None] = time.sleep,
 ) -> RunResult:
-    """Drive ``engine`` step by step, adding each request when it arrives."""
-    if engine.has_unfinished():
-        raise RuntimeError("run_engine needs an idle engine")
+    """Serve ``workload`` with ``engines`` from now on their clocks; outputs in workload order.
+
+    An engine whose clock can wait by itself (a :class:`VirtualClock`) jumps
+    to each arrival; any other clock is wall time, and waiting calls ``sleep``.
+    """
+    if not engines:
+        raise ValueError("drive needs at least one engine")
+    if any(e.has_unfinished() for e in engines):
+        raise RuntimeError("drive needs idle engines")
+    simulated = all(isinstance(e.clock, VirtualClock) for e in engines)
+    if len(engines) > 1 and not simulated:
+        raise ValueError("several engines share one timeline only on virtual clocks (simulated replicas)")
+    clocks = [e.clock if isinstance(e.clock, VirtualClock) else WallClock(e.clock, sleep) for e in engines]
+    placement = placement if placement is not None else OneEngine()
     requests = workload.requests
-    clock = engine.clock
     index = {r.request_id: i for i, r in enumerate(requests)}
+    start = max(clock() for clock in clocks)
+    for clock in clocks:
+        clock.wait_until(start)
+    arrivals = Arrivals(requests, start, token_ids)
     done: dict[int, RequestOutput] = {}
     bar = progress(len(requests), name)
     idle = 0.0
-    start = clock()
-    arrivals = Arrivals(requests, start, token_ids)
 
-    def finish(i: int, out: RequestOutput) -> None:
+    def finish(i: int, out: RequestOutput, where: int) -> None:
         done[i] = out
-        arrivals.finished(i, out, clock())
+        arrivals.finished(i, out, clocks[where]())
+        placement.done(out.request_id, where)
         bar.update(1)
 
-    with recorded_steps(engine) as steps:
+    with recorded_steps(*engines) as steps:
         while len(done) < len(requests):
-            for i in arrivals.due(clock()):
-                refused = submit(engine, requests[i], arrivals.prompt(i), arrivals.arrival_time(i))
+            due = arrivals.next_time()  # None: the next requests wait on answers still running
+            busy = [j for j, e in enumerate(engines) if e.has_unfinished()]
+            stepper = min(busy, key=lambda j: clocks[j]()) if busy else None
+            if due is not None and due <= (clocks[stepper]() if stepper is not None else math.inf):
+                i = arrivals.pop()
+                where = _place(placement, requests[i], arrivals.prompt(i), engines)
+                if not engines[where].has_unfinished():
+                    if len(engines) == 1:
+                        idle += max(0.0, due - clocks[where]())
+                    clocks[where].wait_until(due)
+                refused = submit(engines[where], requests[i], arrivals.prompt(i), due)
                 if refused is not None:
-                    finish(i, refused)
-            if engine.has_unfinished():
-                for out in engine.step():
+                    finish(i, refused, where)
+            elif stepper is not None:
+                for out in engines[stepper].step():
                     if out.finished:
-                        finish(index[out.request_id], out)
-            elif not arrivals.exhausted:
-                idle += arrivals.wait(clock, sleep)
-    duration = clock() - start
+                        finish(index[out.request_id], out, stepper)
+            else:
+                raise RuntimeError(
+                    f"{len(requests) - len(done)} requests wait on one that never finished, and nothing runs"
+                )
     bar.close()
+    duration = max(clock() for clock in clocks) - start
     return RunResult(
         name=name,
-        kind="cbcore",
+        kind="simulated" if simulated else "cbcore",
         outputs=[done[i] for i in range(len(requests))],
         duration_s=duration,
-        busy_s=duration - idle,
+        busy_s=duration - idle if len(engines) == 1 else None,
         steps=steps,
     )
+
+
+def _place(placement: Placement, request: BenchRequest, prompt: Seq[int], engines: Seq[EngineCore]) -> int:
+    choice = placement.place(request, prompt, engines)
+    if isinstance(choice, bool) or not isinstance(choice, int) or not 0 <= choice < len(engines):
+        raise ValueError(f"placement returned {choice!r} for {request.request_id}; expected 0..{len(engines) - 1}")
+    return choice
 
 
 @contextlib.contextmanager

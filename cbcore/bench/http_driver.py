@@ -59,7 +59,8 @@ async def _run(
         models = (await http.get("/v1/models")).raise_for_status().json()
         model = models["data"][0]["id"]
         dialect = server_dialect(models["data"][0].get("owned_by"), workload)
-        warm = BenchRequest("warm-up", 0.0, 4, prompt_token_ids=tuple(token_ids[0][:8]), ignore_eos=True)
+        first = tuple(token_ids[0][:8])
+        warm = BenchRequest(request_id="warm-up", arrival_s=0.0, max_new_tokens=4, prompt_token_ids=first, ignore_eos=True)
         await _one(http, model, warm, list(token_ids[0][:8]), time.perf_counter(), dialect)
         kept = await empty_prefix_cache(http, url)
         bar = progress(n, name)

@@ -33,9 +33,10 @@ import torch
 from transformers import DynamicCache
 
 from cbcore.bench.arrivals import Arrivals
-from cbcore.bench.baselines import baseline_output, cut, eos_ids
+from cbcore.bench.baselines import baseline_output, cut
 from cbcore.bench.driver import ProgressFactory, RunResult, no_progress
 from cbcore.bench.workload import Workload
+from cbcore.models.loading import eos_token_ids
 from cbcore.outputs import RequestOutput
 
 
@@ -137,7 +138,7 @@ def run_seed_toy(
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     requests = workload.requests
-    eos = set(eos_ids(model))
+    eos = set(eos_token_ids(model))
     config = model.config
     previous = config._attn_implementation_internal
     config._attn_implementation_internal = "eager"  # the toy's attention: the 4D mask, as given

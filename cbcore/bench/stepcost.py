@@ -17,7 +17,13 @@ Measurements alternate between the two sides (HF, cbcore, HF, cbcore, ...)
 so that a change in machine load hits both alike; each side keeps its
 median. With one torch thread the clock is the CPU time of the calling
 thread (both sides run entirely on it), which other processes on a shared
-machine disturb far less than wall time; with more threads it is wall time.
+machine disturb far less than wall time; with more threads it is wall time
+(:func:`step_clock`).
+
+A cbcore step is timed the one way cbcore times every step: by the engine
+itself, on its clock (:class:`~cbcore.outputs.StepStats`, plan through
+commit), the figure ``cb bench`` reports and ``cb profile`` fits;
+:func:`timed_steps` adds each step's shape (what the simulator prices).
 """
 
 from __future__ import annotations
@@ -28,14 +34,19 @@ import statistics
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from cbcore.config import EngineConfig
 from cbcore.engine import Engine
+from cbcore.engine_core import EngineCore, Executor, StepRecord
 from cbcore.execution.runner import KVGeometry
+from cbcore.outputs import StepStats
+from cbcore.scheduling.plan import Sampled, StepPlan
 from cbcore.scheduling.sampling_params import SamplingParams
+from cbcore.sim.shape import StepShape
 
 
 @dataclass(frozen=True)
@@ -65,8 +76,60 @@ def torch_threads(n: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def _random_prompt(rng: random.Random, vocab: int, n: int) -> list[int]:
+def random_prompt(rng: random.Random, vocab: int, n: int) -> list[int]:
     return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+def step_clock(threads: int) -> Callable[[], float]:
+    """The clock steps are timed on: the calling thread's CPU time at one thread, else wall time."""
+    return time.thread_time if threads == 1 else time.perf_counter
+
+
+@dataclass(frozen=True)
+class TimedStep:
+    shape: StepShape  # taken before the step ran
+    stats: StepStats  # its seconds: ``stats.total_s``
+
+
+class _ShapeRecorder:
+    """Wraps an engine's executor to note each step's shape before it runs."""
+
+    def __init__(self, inner: Executor) -> None:
+        self.inner = inner
+        self.pending: StepShape | None = None
+
+    def prepare(self, plan: StepPlan) -> Any:
+        self.pending = StepShape.of(plan)
+        return self.inner.prepare(plan)
+
+    def batch_of(self, prepared: Any) -> Any:
+        return self.inner.batch_of(prepared)
+
+    def forward(self, prepared: Any) -> Any:
+        return self.inner.forward(prepared)
+
+    def sample(self, prepared: Any, forwarded: Any, rng_states: list) -> Sampled:
+        return self.inner.sample(prepared, forwarded, rng_states)
+
+
+@contextlib.contextmanager
+def timed_steps(engine: EngineCore) -> Iterator[list[TimedStep]]:
+    """Every step that runs a batch in ``engine`` inside the block, with its shape and its time."""
+    recorder = _ShapeRecorder(engine.executor)
+    steps: list[TimedStep] = []
+
+    def listen(record: StepRecord) -> None:
+        if recorder.pending is not None:
+            steps.append(TimedStep(recorder.pending, record.stats))
+            recorder.pending = None
+
+    engine.executor = recorder
+    engine.step_listeners.append(listen)
+    try:
+        yield steps
+    finally:
+        engine.executor = recorder.inner
+        engine.step_listeners.remove(listen)
 
 
 class HFDecode:
@@ -173,16 +236,18 @@ class EngineDecode:
         seed: int = 0,
         prefill: int = 0,
         forward: str = "auto",
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         seqs = width + 1 if prefill else width  # a mixed step's prompt runs beside the decodes
-        self.engine = Engine(model, None, engine_config(seqs, context + prefill, steps, backend, forward))
+        config = engine_config(seqs, context + prefill, steps, backend, forward)
+        self.engine = Engine(model, None, config, clock=clock)
         rng = random.Random(seed)
         vocab = self.engine.vocab_size
         # Long enough to outlast every timed step (the pool is sized for it), and no longer: a request
         # that could never fit its context or the pool is refused at add_request.
         params = SamplingParams(max_new_tokens=steps + 2, ignore_eos=True)
         for _ in range(width):
-            self.engine.add_request(_random_prompt(rng, vocab, context), params)
+            self.engine.add_request(random_prompt(rng, vocab, context), params)
         with _stand_in_forward(self.engine):
             while any(s.is_prefilling for s in _running(self.engine)) or len(_running(self.engine)) < width:
                 self.engine.step()
@@ -190,35 +255,40 @@ class EngineDecode:
         kv = self.engine.runner.kv_cache
         kv.k.copy_(torch.randn(kv.k.shape, generator=gen).to(kv.k.dtype))
         kv.v.copy_(torch.randn(kv.v.shape, generator=gen).to(kv.v.dtype))
-        self.prefill_prompt = _random_prompt(rng, vocab, prefill) if prefill else None
+        self.prefill_prompt = random_prompt(rng, vocab, prefill) if prefill else None
 
-    def step(self) -> None:
+    def step(self) -> float:
+        """One step; its seconds as the engine timed it."""
         if self.prefill_prompt is not None:  # a mixed step: the decodes plus one whole prompt
             self.engine.add_request(self.prefill_prompt, SamplingParams(max_new_tokens=1))
         self.engine.step()
+        return self.engine.step_stats[-1].total_s
 
 
 def _running(engine: Engine) -> list:
     return list(getattr(engine.scheduler, "running", []))
 
 
-def step_clock(threads: int) -> Callable[[], float]:
-    return time.thread_time if threads == 1 else time.perf_counter
+def timed(step: Callable[[], Any], clock: Callable[[], float]) -> Callable[[], float]:
+    """``step`` made to return its seconds on ``clock`` (for the HF side, which has no engine to time it)."""
+
+    def run() -> float:
+        t0 = clock()
+        step()
+        return clock() - t0
+
+    return run
 
 
-def time_side_by_side(
-    sides: list[Callable[[], None]], rounds: int, steps: int, clock: Callable[[], float] = time.perf_counter
-) -> list[float]:
-    """Median seconds per call of each side; sides alternate within every round."""
+def time_side_by_side(sides: list[Callable[[], float]], rounds: int, steps: int) -> list[float]:
+    """Median seconds per step of each side (a side runs one step and returns its seconds); sides
+    alternate within every round."""
     for step in sides:  # one untimed call each: first-call costs
         step()
     samples: list[list[float]] = [[] for _ in sides]
     for _ in range(rounds):
         for i, step in enumerate(sides):
-            t0 = clock()
-            for _ in range(steps):
-                step()
-            samples[i].append((clock() - t0) / steps)
+            samples[i].append(sum(step() for _ in range(steps)) / steps)
     return [statistics.median(s) for s in samples]
 
 
@@ -232,10 +302,11 @@ def decode_cell(
     steps: int = 3,
     backend: str = "sdpa",
 ) -> StepCost:
+    clock = step_clock(threads)
     with torch_threads(threads):
         hf = HFDecode(model, width, context)
-        cb = EngineDecode(model, width, context, (rounds + 1) * steps, backend=backend)
-        hf_s, cb_s = time_side_by_side([hf.step, cb.step], rounds, steps, step_clock(threads))
+        cb = EngineDecode(model, width, context, (rounds + 1) * steps, backend=backend, clock=clock)
+        hf_s, cb_s = time_side_by_side([timed(hf.step, clock), cb.step], rounds, steps)
         del hf, cb
     return StepCost(width, context, threads, hf_s, cb_s)
 
@@ -247,10 +318,11 @@ def forward_cell(
 
     Both are whole engine steps on the same model; ``hf_s`` is the step with HF's modules.
     """
+    clock = step_clock(threads)
     with torch_threads(threads):
-        hf = EngineDecode(model, width, context, (rounds + 1) * steps, forward="hf")
-        fused = EngineDecode(model, width, context, (rounds + 1) * steps, forward="fused")
-        hf_s, fused_s = time_side_by_side([hf.step, fused.step], rounds, steps, step_clock(threads))
+        hf = EngineDecode(model, width, context, (rounds + 1) * steps, forward="hf", clock=clock)
+        fused = EngineDecode(model, width, context, (rounds + 1) * steps, forward="fused", clock=clock)
+        hf_s, fused_s = time_side_by_side([hf.step, fused.step], rounds, steps)
         del hf, fused
     return StepCost(width, context, threads, hf_s, fused_s, label="decode, fused (cbcore) vs HF modules (HF)")
 
@@ -268,15 +340,17 @@ def mixed_cell(
 ) -> StepCost:
     """cbcore's step with ``width`` decodes plus one ``prompt_len`` prefill, against HF's
     decode step plus HF's prefill of the same prompt run separately (their sum)."""
+    clock = step_clock(threads)
     with torch_threads(threads):
         hf = HFDecode(model, width, context)
         gen = torch.Generator().manual_seed(1)
         vocab = model.config.get_text_config().vocab_size
         prompt = torch.randint(3, vocab, (1, prompt_len), generator=gen).to(next(model.parameters()).device)
         prefill = PrefillOnly(model, prompt)
-        cb = EngineDecode(model, width, context, (rounds + 1) * steps, backend=backend, prefill=prompt_len)
+        cycles = (rounds + 1) * steps
+        cb = EngineDecode(model, width, context, cycles, backend=backend, prefill=prompt_len, clock=clock)
         hf_decode_s, hf_prefill_s, cb_s = time_side_by_side(
-            [hf.step, prefill.step, cb.step], rounds, steps, step_clock(threads)
+            [timed(hf.step, clock), timed(prefill.step, clock), cb.step], rounds, steps
         )
         del hf, cb
     label = f"{width} decodes + prefill {prompt_len}"

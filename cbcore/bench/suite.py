@@ -1,10 +1,14 @@
-"""One workload through every configuration and baseline, side by side in one process.
+"""One workload through every row, side by side: the suite of `cb bench` and `cb simulate`.
 
-All rows share one model object and the same token ids. Each engine is
-built, warmed up with a short request, timed on the workload, and released
-before the next, so rows do not compete for memory or CPU. For greedy
-workloads the per-prompt reference (HF ``generate`` on each prompt alone) is
-computed once and every row is compared with it.
+A row is anything that turns the workload into a :class:`RunResult` (an
+engine driven by :func:`cbcore.bench.driver.drive` on wall or virtual time, a
+server over HTTP, an outside baseline); :func:`run_rows` runs the rows and
+summarises each with the same metrics. :func:`run_suite` makes the rows of
+`cb bench`: all share one model object and the same token ids, and each engine
+is built, warmed up with a short request, timed on the workload, and released
+before the next, so rows do not compete for memory or CPU. The per-prompt
+reference (HF ``generate`` on each prompt alone) is computed once and every
+row is compared with it. `cb simulate`'s rows are :mod:`cbcore.sim.suite`'s.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -20,7 +24,7 @@ import torch
 
 from cbcore.bench.baselines import BASELINES, run_hf_generate_batch, run_hf_static
 from cbcore.bench.classes import deadline_stats, per_class
-from cbcore.bench.driver import ProgressFactory, RunResult, no_progress, run_engine, warm_up
+from cbcore.bench.driver import ProgressFactory, RunResult, drive, no_progress, warm_up
 from cbcore.bench.http_driver import run_http
 from cbcore.bench.memory import PeakRSS, process_peak_rss_bytes
 from cbcore.bench.metrics import SLO, latency_samples, summarize
@@ -82,7 +86,9 @@ class References:
     def get(self, prompt: Seq[int], req: BenchRequest) -> ReferenceOutput:
         key = (tuple(prompt), req.max_new_tokens, req.ignore_eos)
         if key not in self._cache:
-            (ref,) = reference_generate(self.model, [list(prompt)], [req.max_new_tokens], ignore_eos=req.ignore_eos)
+            (ref,) = reference_generate(
+                self.model, [list(prompt)], [req.max_new_tokens], ignore_eos=req.ignore_eos
+            )
             self._cache[key] = ref
         return self._cache[key]
 
@@ -91,15 +97,74 @@ class References:
 
 
 def reference_check(
-    model: torch.nn.Module, outputs: Seq[RequestOutput], refs: Seq[ReferenceOutput]
+    model: torch.nn.Module, workload: Workload, refs: Seq[ReferenceOutput] | References, tries: Seq[RunResult]
 ) -> dict[str, Any]:
-    report = compare_greedy(model, outputs, refs)
-    return {
-        "identical_to_reference": report.num_identical == len(report.comparisons),
-        "reference_near_ties": report.num_near_ties,
-        "reference_diverged": report.num_diverged,
-        "reference_mismatches": [c.describe() for c in report.comparisons if not c.identical][:10],
-    }
+    """Every run against the per-prompt reference; the row reports its worst run."""
+    checks = []
+    for run in tries:
+        expected = refs.for_run(workload, run.outputs) if isinstance(refs, References) else refs
+        report = compare_greedy(model, run.outputs, expected)
+        checks.append({
+            "identical_to_reference": report.num_identical == len(report.comparisons),
+            "reference_near_ties": report.num_near_ties,
+            "reference_diverged": report.num_diverged,
+            "reference_mismatches": [c.describe() for c in report.comparisons if not c.identical][:10],
+        })  # fmt: skip
+    return min(checks, key=lambda c: (c["identical_to_reference"], -c["reference_diverged"]))
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row of a result: its name, the kind of run it is, and how to run it once."""
+
+    name: str
+    kind: str  # "cbcore", "simulated" or "baseline"
+    run: Callable[[], RunResult]
+
+
+#: What a reference check adds to a row, from every run of it (see :func:`reference_check`).
+Check = Callable[[Seq[RunResult]], dict[str, Any]]
+
+
+def run_rows(
+    workload: Workload, rows: Seq[Row], *, repeat: int = 1, slo: SLO | None = None, check: Check | None = None
+) -> BenchResult:
+    """Every row on ``workload``, in the order given; the one suite of `cb bench` and `cb simulate`.
+
+    With ``repeat`` > 1 every row runs that many times and reports its median run
+    (by duration). Repetitions are interleaved (all rows, then all rows again) so
+    that a change in machine load during the benchmark hits every row alike. A row
+    that fails is reported with its error; every other row still runs.
+    """
+    check_rows([row.name for row in rows], repeat)
+    runs: dict[str, list[RunResult]] = {row.name: [] for row in rows}
+    errors: dict[str, str] = {}
+    for _ in range(repeat):
+        for row in rows:
+            if row.name in errors:
+                continue
+            try:
+                runs[row.name].append(row.run())
+            except Exception as exc:
+                errors[row.name] = one_line(exc)
+                log.error("benchmark row failed", row=row.name, error=errors[row.name])
+                gc.collect()
+    results = []
+    samples = {}
+    for row in rows:
+        if row.name in errors:
+            results.append({"name": row.name, "kind": row.kind, "error": errors[row.name]})
+            continue
+        results.append(summarize_runs(workload, runs[row.name], slo, check))
+        samples[row.name] = latency_samples(_median_run(runs[row.name]).outputs)
+    return BenchResult(workload=workload.describe(), rows=results, samples=samples)
+
+
+def check_rows(names: Seq[str], repeat: int) -> None:
+    if len(set(names)) != len(names):
+        raise ValueError(f"two rows share a name: {names}")
+    if repeat < 1:
+        raise ValueError(f"repeat must be >= 1, got {repeat}")
 
 
 def run_suite(
@@ -118,22 +183,15 @@ def run_suite(
     servers: Seq[tuple[str, str]] = (),
     api_key: str | None = None,
 ) -> BenchResult:
-    """Run every configuration and baseline on ``workload``; one row each, in the order given.
+    """Run every configuration and baseline on ``workload`` in this process; one row each, in the order given.
 
     ``servers`` are (row name, URL) pairs: each row drives a running `cb serve`
     over HTTP with streaming clients (:mod:`cbcore.bench.http_driver`).
-
-    With ``repeat`` > 1 every row runs that many times and reports its median run
-    (by duration); the reference check covers every run.
     """
     unknown = [b for b in baselines if b not in BASELINES]
     if unknown:
         raise ValueError(f"unknown baseline {unknown[0]!r}; known: {', '.join(BASELINES)}")
-    names = [n for n, _ in configs] + [n for n, _ in servers] + list(baselines)
-    if len(set(names)) != len(names):
-        raise ValueError(f"two rows share a name: {names}")
-    if repeat < 1:
-        raise ValueError(f"repeat must be >= 1, got {repeat}")
+    check_rows([n for n, _ in configs] + [n for n, _ in servers] + list(baselines), repeat)
     token_ids = prompt_token_ids(workload, tokenizer)
     refs: Seq[ReferenceOutput] | References | None = None
     if reference and workload.is_closed_loop:
@@ -142,47 +200,34 @@ def run_suite(
         log.info("computing the per-prompt reference", requests=len(workload))
         refs = reference_outputs(model, workload, token_ids, progress)
     _warm_model(model, token_ids)
-    runners: dict[str, Callable[[], RunResult]] = {}
-    for name, config in configs:
-        runners[name] = partial(_run_config, model, tokenizer, name, config, workload, token_ids, progress)
-    for name, url in servers:
-        runners[name] = partial(run_http, url, name, workload, token_ids, api_key=api_key, progress=progress)
+    rows = [
+        Row(name, "cbcore", partial(_run_config, model, tokenizer, name, config, workload, token_ids, progress))
+        for name, config in configs
+    ]
+    rows += [
+        Row(name, "cbcore", partial(run_http, url, name, workload, token_ids, api_key=api_key, progress=progress))
+        for name, url in servers
+    ]
     for name in baselines:
         limits = {"batch_size": batch_size}
         if name == "hf-generate-batch":
             limits["batch_tokens"] = batch_tokens
         baseline = {"hf-static": run_hf_static, "hf-generate-batch": run_hf_generate_batch}.get(name, run_seed_toy)
-        runners[name] = partial(baseline, model, workload, token_ids, progress=progress, **limits)
-    # Repetitions are interleaved (all rows, then all rows again) so that a change in machine
-    # load during the benchmark hits every row alike; each row keeps its median run.
-    # A row that fails is reported with its error; every other row still runs.
-    runs: dict[str, list[RunResult]] = {name: [] for name in runners}
-    errors: dict[str, str] = {}
-    for _ in range(repeat):
-        for name, runner in runners.items():
-            if name in errors:
-                continue
-            try:
-                with PeakRSS() as rss:
-                    run = runner()
-            except Exception as exc:
-                errors[name] = one_line(exc)
-                log.error("benchmark row failed", row=name, error=errors[name])
-                gc.collect()
-                continue
-            run.info["rss_peak_mb"] = None if rss.peak_bytes is None else rss.peak_bytes / 2**20
-            runs[name].append(run)
-    rows = []
-    samples = {}
-    for name, tries in runs.items():
-        if name in errors:
-            kind = "baseline" if name in baselines else "cbcore"
-            rows.append({"name": name, "kind": kind, "error": errors[name]})
-            continue
-        rows.append(summarize_runs(model, workload, tries, refs, slo))
-        samples[name] = latency_samples(_median_run(tries).outputs)
-    described = {**workload.describe(), "process_peak_rss_mb": process_peak_rss_bytes() / 2**20}
-    return BenchResult(workload=described, rows=rows, samples=samples)
+        run = partial(baseline, model, workload, token_ids, progress=progress, **limits)
+        rows.append(Row(name, "baseline", run))
+    check = None if refs is None else partial(reference_check, model, workload, refs)
+    measured = [replace(row, run=partial(_measured, row.run)) for row in rows]
+    result = run_rows(workload, measured, repeat=repeat, slo=slo, check=check)
+    result.workload["process_peak_rss_mb"] = process_peak_rss_bytes() / 2**20
+    return result
+
+
+def _measured(run: Callable[[], RunResult]) -> RunResult:
+    """One run, with the peak resident memory of the process while it ran."""
+    with PeakRSS() as rss:
+        result = run()
+    result.info["rss_peak_mb"] = None if rss.peak_bytes is None else rss.peak_bytes / 2**20
+    return result
 
 
 def one_line(exc: BaseException) -> str:
@@ -202,7 +247,7 @@ def _run_config(
     """A fresh engine per run, warmed up, then released (each holds its own KV pool)."""
     engine = Engine(model, tokenizer, config)
     warm_up(engine, token_ids)
-    run = run_engine(engine, name, workload, token_ids, progress=progress)
+    run = drive([engine], name, workload, token_ids, progress=progress)
     run.info = {
         "backend": config.backend.name,
         "scheduler": config.scheduler.model_dump(exclude_defaults=True) or "default",
@@ -221,12 +266,9 @@ def _median_run(tries: Seq[RunResult]) -> RunResult:
 
 
 def summarize_runs(
-    model: torch.nn.Module,
-    workload: Workload,
-    tries: Seq[RunResult],
-    refs: Seq[ReferenceOutput] | References | None,
-    slo: SLO | None,
+    workload: Workload, tries: Seq[RunResult], slo: SLO | None, check: Check | None
 ) -> dict[str, Any]:
+    """A row from a configuration's runs: its median run's metrics, and what ``check`` says of every run."""
     run = _median_run(tries)
     row = summarize(
         run.name, workload.requests, run.outputs, run.duration_s, steps=run.steps, busy_s=run.busy_s, slo=slo
@@ -238,13 +280,8 @@ def summarize_runs(
         row["repeats"] = len(tries)
         row["duration_s_all"] = [t.duration_s for t in tries]
     row["identical_to_reference"] = None
-    if refs is not None:
-        checks = [
-            reference_check(model, t.outputs, refs.for_run(workload, t.outputs) if isinstance(refs, References) else refs)
-            for t in tries
-        ]
-        worst = min(checks, key=lambda c: (c["identical_to_reference"], -c["reference_diverged"]))
-        row.update(worst)
+    if check is not None:
+        row.update(check(tries))
     return row
 
 

@@ -2,8 +2,9 @@
 
 ``--sweep rate=2,3,4,5`` turns one generator spec into one spec per value (the
 key replaced, or added when the spec did not name it); each point runs every
-configuration as an ordinary benchmark or simulation, and the rows of all
-points make one :class:`~cbcore.bench.suite.BenchResult`. Each row records its
+configuration as an ordinary benchmark or simulation (``--jobs N`` runs
+simulated points in N processes), and the rows of all points make one
+:class:`~cbcore.bench.suite.BenchResult`. Each row records its
 configuration, the swept key and value, and whether its throughput still
 followed the load offered to it: a policy's finding is usually where that
 stops (past capacity), and what each policy does to its deadlines there.
@@ -11,8 +12,10 @@ stops (past capacity), and what each policy does to its deadlines there.
 
 from __future__ import annotations
 
+import multiprocessing
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +24,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from cbcore.bench.generator import GENERATORS, GeneratorSpec, parse_spec
 from cbcore.bench.suite import BenchResult
 from cbcore.bench.workload import Workload, WorkloadError
-from cbcore.config import format_validation_error
+from cbcore.config import EngineConfig, format_validation_error
+from cbcore.log import get_logger
+
+log = get_logger(__name__)
 
 # Achieved over offered request rate below which a row no longer follows the load (it is saturated).
 # A run's duration includes draining the last requests, so an unsaturated row stays a little under 1.
@@ -111,14 +117,10 @@ class Point:
     workload: Workload
 
 
-def draw_points(sweep: Sweep, spec: str, vocab_size: int, special_ids: Seq[int] = ()) -> list[Point]:
-    """Every value's workload, drawn as ``--workload`` would draw it (same seed: same prompts)."""
-    from cbcore.bench.sources import load_workload
-
-    return [
-        Point(value, point, load_workload(point, vocab_size, special_ids))
-        for value, point in zip(sweep.values, sweep.points(spec), strict=True)
-    ]
+def draw_points(sweep: Sweep, spec: str, draw: Callable[[str], Workload]) -> list[Point]:
+    """Every value's workload, drawn by ``draw`` as ``--workload`` would draw it (same seed: same prompts)."""
+    specs = sweep.points(spec)
+    return [Point(value, point, draw(point)) for value, point in zip(sweep.values, specs, strict=True)]
 
 
 def annotate(row: dict[str, Any], sweep: Sweep, point: Point) -> dict[str, Any]:
@@ -140,13 +142,56 @@ def annotate(row: dict[str, Any], sweep: Sweep, point: Point) -> dict[str, Any]:
     return new
 
 
+Configs = Seq[tuple[str, EngineConfig]]
+
+
 def run_sweep(
     sweep: Sweep,
     points: Seq[Point],
-    run_point: Callable[[Point], BenchResult],
+    configs: Configs,
+    run: Callable[[Workload, Configs], BenchResult],
+    *,
+    jobs: int = 1,
+    draw: Callable[[str], Workload] | None = None,
 ) -> BenchResult:
-    """Every point through ``run_point``, one after the other; the rows of all points in one result."""
-    return merge(sweep, points, [run_point(p) for p in points])
+    """Every configuration at every point through ``run``; the rows of all points in one result.
+
+    With ``jobs`` > 1 each (point, configuration) pair runs in a worker process
+    (simulated rows: each is independent, on its own virtual clock, so the rows
+    are exactly a serial run's). A worker draws its point's workload again from
+    its spec with ``draw`` (the generator is deterministic), which costs less
+    than shipping thousands of requests; ``run`` and ``draw`` must pickle.
+    """
+    if jobs < 1:
+        raise ValueError(f"jobs must be at least 1, got {jobs}")
+    if jobs == 1:
+        return merge(sweep, points, [run(p.workload, configs) for p in points])
+    if draw is None:
+        raise ValueError("points run in worker processes need draw, to draw their workloads there")
+    tasks = [(i, j) for i in range(len(points)) for j in range(len(configs))]
+    log.info("running sweep points in parallel", points=len(tasks), jobs=jobs)
+    # spawn: a fresh interpreter per worker, so no lock or thread pool of this process is inherited half-held.
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=spawn) as pool:
+        futures = {(i, j): pool.submit(_run_one, run, draw, points[i].spec, configs[j]) for i, j in tasks}
+        parts = {key: f.result() for key, f in futures.items()}
+    results = []
+    for i in range(len(points)):
+        per_config = [parts[(i, j)] for j in range(len(configs))]
+        rows = [r for part in per_config for r in part.rows]
+        samples = {k: v for part in per_config for k, v in part.samples.items()}
+        results.append(BenchResult(workload=per_config[0].workload, rows=rows, samples=samples))
+    return merge(sweep, points, results)
+
+
+def _run_one(
+    run: Callable[[Workload, Configs], BenchResult],
+    draw: Callable[[str], Workload],
+    spec: str,
+    config: tuple[str, EngineConfig],
+) -> BenchResult:
+    """A worker's task: one configuration on the workload drawn from ``spec``."""
+    return run(draw(spec), [config])
 
 
 def merge(sweep: Sweep, points: Seq[Point], results: Seq[BenchResult]) -> BenchResult:

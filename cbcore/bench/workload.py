@@ -1,10 +1,14 @@
-"""Benchmark workloads: what is asked, and when.
+"""Requests and workloads: one record for request files, traces and benchmark workloads.
 
-A workload is a list of requests with arrival offsets (seconds from the start
-of a run). It comes from one of three places:
+A :class:`RequestRecord` is one request as a JSON object: its prompt (text,
+chat messages or token ids), how it decodes, and the scheduling fields
+policies read. ``cb generate`` and ``cb check`` read files of them; a
+:class:`BenchRequest` is the same record as one request of a workload, where
+``request_id``, ``arrival_s`` and ``max_new_tokens`` are required. A workload
+is a list of them with arrival offsets (seconds from the start of a run), from:
 
 * ``seed`` — the six requests of the seeds' experiment, all at t=0;
-* a JSONL trace, one request per line (what :meth:`Workload.save` writes), so
+* a JSONL trace, one record per line (what :meth:`Workload.save` writes), so
   that a run can be replayed exactly;
 * a generator spec such as ``poisson:n=64,rate=2,lengths=sharegpt,seed=0``
   (:mod:`cbcore.bench.generator`).
@@ -14,6 +18,10 @@ conversation): it is sent ``arrival_s`` seconds after the request it follows
 has finished, and its prompt is that request's prompt, its output, and then
 its own prompt tokens. Such a workload is closed-loop: when a turn arrives
 depends on how fast the previous one was served.
+
+Every reader of a prompt goes through :meth:`RequestRecord.token_ids`, so a
+record may hold its prompt in another form (a trace's lengths and a seed, say)
+and produce the ids only when a run needs them.
 """
 
 from __future__ import annotations
@@ -21,14 +29,25 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
 
 from cbcore.config import format_validation_error
-from cbcore.scheduling.request import EMPTY_ATTRS, RequestFields, freeze_attrs
+from cbcore.scheduling.request import RequestFields
+from cbcore.scheduling.sampling_params import SamplingParams
+
+#: The record fields that say how a request decodes (:meth:`RequestRecord.sampling_params`).
+SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "ignore_eos")
+#: The order of a record's fields in JSON (a trace reads best with the id and arrival first).
+JSON_ORDER = (
+    "request_id", "arrival_s", "prompt", "messages", "prompt_token_ids", "max_new_tokens", "temperature",
+    "top_k", "top_p", "seed", "priority", "client_id", "ignore_eos", "deadline_s", "follows",
+)  # fmt: skip
+#: Names earlier versions used for a field: read as the field, with a note.
+OLD_SPELLINGS = {"id": "request_id"}
 
 
 def thaw(value: Any) -> Any:
@@ -44,23 +63,46 @@ class WorkloadError(ValueError):
     """A workload spec or trace is malformed; the message names the key or line."""
 
 
-class TraceRecord(RequestFields):
-    """One line of a JSONL trace: the prompt, its arrival, and the shared scheduling fields."""
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow", frozen=True)  # chat templates may read more keys (name, tool calls)
+
+    role: str
+    content: str
+
+
+class RequestRecord(RequestFields):
+    """One request: a line of a request file or of a trace; a workload's requests are :class:`BenchRequest`."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     request_id: str | None = Field(None, min_length=1)
-    arrival_s: float = Field(ge=0, allow_inf_nan=False, description="Seconds after the run starts.")
     prompt: str | None = None
-    prompt_token_ids: list[int] | None = None
-    max_new_tokens: int = Field(ge=1)
+    messages: tuple[Message, ...] | None = Field(None, min_length=1, strict=False)
+    prompt_token_ids: tuple[StrictInt, ...] | None = Field(None, strict=False)
+    max_new_tokens: int | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
     ignore_eos: bool = False
+    arrival_s: float | None = Field(None, ge=0, allow_inf_nan=False, description="Seconds after the run starts.")
     follows: str | None = Field(None, min_length=1, description="Request whose answer this one continues.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _old_spellings(cls, data: Any) -> Any:
+        if isinstance(data, dict) and any(old in data for old in OLD_SPELLINGS):
+            for old, new in OLD_SPELLINGS.items():
+                if old in data and new in data:
+                    raise ValueError(f"give {new!r} only ({old!r} is its old spelling)")
+            data = {OLD_SPELLINGS.get(key, key): value for key, value in data.items()}
+        return data
+
     @model_validator(mode="after")
-    def _one_prompt(self) -> TraceRecord:
-        if (self.prompt is None) == (self.prompt_token_ids is None):
-            raise ValueError("give exactly one of prompt (text) or prompt_token_ids")
+    def _one_prompt(self) -> RequestRecord:
+        given = [f for f in ("prompt", "messages", "prompt_token_ids") if getattr(self, f) is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of 'prompt' or 'messages' (text) or 'prompt_token_ids'")
         if self.prompt is not None and not self.prompt:
             raise ValueError("prompt is empty")
         if self.prompt_token_ids is not None:
@@ -70,54 +112,57 @@ class TraceRecord(RequestFields):
                 raise ValueError("prompt_token_ids holds a negative id")
         return self
 
+    @property
+    def is_text(self) -> bool:
+        """The prompt is text (or chat messages): its token ids need the model's tokenizer."""
+        return self.prompt is not None or self.messages is not None
 
-@dataclass(frozen=True)
-class BenchRequest:
-    """One request of a workload; greedy decoding, up to ``max_new_tokens``."""
-
-    request_id: str
-    arrival_s: float
-    max_new_tokens: int
-    prompt: str | None = None
-    prompt_token_ids: tuple[int, ...] | None = None
-    priority: int = 0
-    client_id: str = "default"
-    ignore_eos: bool = False
-    deadline_s: float | None = None  # seconds after arrival
-    attrs: Mapping[str, Any] = field(default_factory=lambda: EMPTY_ATTRS)  # JSON attributes, read-only
-    # The request this one continues: sent arrival_s after it finished, its prompt and output before ours.
-    follows: str | None = None
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "attrs", freeze_attrs(self.attrs))
+    def sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        """How this request decodes: its own sampling fields, ``defaults`` for those it leaves out."""
+        chosen = {key: value for key in SAMPLING_FIELDS if (value := getattr(self, key)) is not None}
+        return SamplingParams(**{**(defaults or {}), **chosen})
 
     def token_ids(self, tokenizer: Any | None) -> list[int]:
-        """The prompt as token ids (text is encoded the way the engine encodes it)."""
+        """The prompt as token ids: text is encoded as the engine encodes it, messages by the chat template."""
         if self.prompt_token_ids is not None:
             return list(self.prompt_token_ids)
         if tokenizer is None:
             raise WorkloadError(f"request {self.request_id}: a text prompt needs a tokenizer")
-        return list(tokenizer.encode(self.prompt))
+        if self.prompt is not None:
+            return list(tokenizer.encode(self.prompt))
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; give 'prompt' instead of 'messages'")
+        messages = [m.model_dump() for m in self.messages or ()]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        return list(ids)
 
     def to_json(self) -> dict[str, Any]:
-        data: dict[str, Any] = {"request_id": self.request_id, "arrival_s": self.arrival_s}
-        if self.prompt_token_ids is not None:
-            data["prompt_token_ids"] = list(self.prompt_token_ids)
-        else:
-            data["prompt"] = self.prompt
-        data.update(
-            max_new_tokens=self.max_new_tokens,
-            priority=self.priority,
-            client_id=self.client_id,
-            ignore_eos=self.ignore_eos,
-        )
-        if self.deadline_s is not None:
-            data["deadline_s"] = self.deadline_s
-        if self.follows is not None:
-            data["follows"] = self.follows
+        """The record as a JSON object: the fields it sets (and the scheduling fields), as a trace line reads."""
+        fields = self.model_dump(mode="json", exclude_none=True, exclude={"attrs"})
+        data = {key: fields[key] for key in JSON_ORDER if key in fields}
         if self.attrs:
             data["attrs"] = thaw(self.attrs)
         return data
+
+
+class BenchRequest(RequestRecord):
+    """One request of a workload: sent ``arrival_s`` after the run starts, greedy, up to ``max_new_tokens``.
+
+    Greedy because every row of a benchmark is checked against the per-prompt
+    greedy reference and the outside baselines decode greedily; the sampling
+    fields are for request files.
+    """
+
+    request_id: str = Field(min_length=1)
+    arrival_s: float = Field(ge=0, allow_inf_nan=False, description="Seconds after the run starts.")
+    max_new_tokens: int = Field(ge=1)
+
+    @model_validator(mode="after")
+    def _greedy(self) -> BenchRequest:
+        sampled = [f for f in ("temperature", "top_k", "top_p", "seed") if getattr(self, f) is not None]
+        if sampled:
+            raise ValueError(f"{sampled[0]}: a workload decodes greedily (sampling fields are for request files)")
+        return self
 
 
 @dataclass(frozen=True)
@@ -185,7 +230,10 @@ class Workload:
 
 
 def parse_trace(lines: Seq[str], source: str = "trace") -> list[BenchRequest]:
-    """Validate every line; the first bad one is reported as ``source:LINE: problem``."""
+    """Validate every line; the first bad one is reported as ``source:LINE: problem``.
+
+    A line without ``request_id`` is named ``line-N``.
+    """
     requests = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
@@ -196,25 +244,12 @@ def parse_trace(lines: Seq[str], source: str = "trace") -> list[BenchRequest]:
             raise WorkloadError(f"{source}:{number}: not valid JSON ({exc.msg})") from None
         if not isinstance(data, dict):
             raise WorkloadError(f"{source}:{number}: expected a JSON object, got {type(data).__name__}")
+        if not any(key in data for key in ("request_id", *OLD_SPELLINGS)):
+            data["request_id"] = f"line-{number}"
         try:
-            rec = TraceRecord.model_validate(data)
+            requests.append(BenchRequest.model_validate(data))
         except ValidationError as exc:
             raise WorkloadError(f"{source}:{number}: {format_validation_error(exc)}") from None
-        requests.append(
-            BenchRequest(
-                request_id=rec.request_id if rec.request_id is not None else f"line-{number}",
-                arrival_s=rec.arrival_s,
-                max_new_tokens=rec.max_new_tokens,
-                prompt=rec.prompt,
-                prompt_token_ids=tuple(rec.prompt_token_ids) if rec.prompt_token_ids is not None else None,
-                priority=rec.priority,
-                client_id=rec.client_id,
-                ignore_eos=rec.ignore_eos,
-                deadline_s=rec.deadline_s,
-                attrs=rec.attrs,
-                follows=rec.follows,
-            )
-        )
     if not requests:
         raise WorkloadError(f"{source}: the trace holds no requests")
     return requests

@@ -17,6 +17,7 @@ import copy
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -227,19 +228,14 @@ def run(args: argparse.Namespace) -> int:
     if tokenizer is not None:
         vocab = min(vocab, len(tokenizer))
     special = list(getattr(tokenizer, "all_special_ids", []) or [])
-    if workload is None and sweep is None:
-        workload = load_workload(args.workload, vocab, special)
-    if args.save_trace and workload is not None:
-        workload.save(args.save_trace)
     with contextlib.ExitStack() as stack:
         servers = [(f"http:{url}", url) for url in args.servers]
         if args.serve:
             servers += start_servers(stack, configs, args.threads)
-        run = partial(
+        suite = partial(
             run_suite,
             model,
             tokenizer,
-            configs=configs,
             baselines=args.baselines,
             batch_size=batch_size,
             batch_tokens=batch_tokens,
@@ -250,14 +246,40 @@ def run(args: argparse.Namespace) -> int:
             servers=servers,
             api_key=args.api_key or os.environ.get("CBCORE_API_KEY"),
         )
-        if sweep is None:
-            result = run(workload=workload)
-        else:
-            from cbcore.bench.sweep import draw_points, run_sweep
+        draw = partial(load_workload, vocab_size=vocab, special_ids=special)
+        return run_rows(args, "cb bench", sweep, configs, suite, draw, workload)
 
-            points = draw_points(sweep, args.workload, vocab, special)
-            result = run_sweep(sweep, points, lambda p: run(workload=p.workload))
-    write_reports(result, args, "cb bench")
+
+def run_rows(
+    args: argparse.Namespace,
+    command: str,
+    sweep: Any,
+    configs: list[tuple[str, Any]],
+    suite: Callable[[Any, list[tuple[str, Any]]], Any],
+    draw: Callable[[str], Any],
+    workload: Any = None,
+    jobs: int = 1,
+) -> int:
+    """Every row on the workload, or on every point of the sweep, through ``suite``; then the reports.
+
+    ``draw`` makes a workload from its spec (``workload``, when given, is the
+    one already read); with ``jobs`` > 1 the points run in worker processes.
+    Returns the exit status: 1 when a row failed.
+    """
+    if sweep is None:
+        workload = workload if workload is not None else draw(args.workload)
+        if args.save_trace:
+            workload.save(args.save_trace)
+        result = suite(workload, configs)
+    else:
+        from cbcore.bench.sweep import draw_points, run_sweep
+
+        points = draw_points(sweep, args.workload, draw)
+        result = run_sweep(sweep, points, configs, suite, jobs=jobs, draw=draw)
+    write_reports(result, args, command)
+    for row in result.rows:
+        for note in row.get("notes", ()):
+            print(f"cb: note: {row['name']}: {note}", file=sys.stderr)
     return 1 if any("error" in row for row in result.rows) else 0
 
 

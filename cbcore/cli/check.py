@@ -15,20 +15,20 @@ import sys
 from typing import Any
 
 from cbcore.cli.options_util import add_engine_flags, build_config, load_model
-from cbcore.cli.requests_util import BadInput, Job, encode, make_job, read_jobs
+from cbcore.cli.requests_util import BadInput, Job, make_job, read_jobs
 from cbcore.config import SLOTS
 
 DEFAULT_CAP = 32
 # Varied on purpose: chat and plain prompts, one word to a paragraph, code, non-English text.
 DEFAULT_PROMPTS: list[dict[str, Any]] = [
-    {"id": "chat-france", "messages": [{"role": "user", "content": "What is the capital of France?"}]},
-    {"id": "one-word", "prompt": "Hello"},
-    {"id": "story", "prompt": "Once upon a time in a land far away,"},
-    {"id": "code", "prompt": 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'},
-    {"id": "list", "prompt": "Three tips for writing clear documentation:\n1."},
-    {"id": "french", "prompt": "La tour Eiffel se trouve à"},
+    {"request_id": "chat-france", "messages": [{"role": "user", "content": "What is the capital of France?"}]},
+    {"request_id": "one-word", "prompt": "Hello"},
+    {"request_id": "story", "prompt": "Once upon a time in a land far away,"},
+    {"request_id": "code", "prompt": 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'},
+    {"request_id": "list", "prompt": "Three tips for writing clear documentation:\n1."},
+    {"request_id": "french", "prompt": "La tour Eiffel se trouve à"},
     {
-        "id": "paragraph",
+        "request_id": "paragraph",
         "prompt": "Continuous batching keeps an inference server busy: instead of waiting for the "
         "longest request of a batch to finish, the scheduler checks after every step whether a "
         "sequence has ended, frees its slot, and admits the next queued prompt at once. Prompts of "
@@ -36,7 +36,7 @@ DEFAULT_PROMPTS: list[dict[str, Any]] = [
         "mask keeps each sequence from attending to the others. In short,",
     },
     {
-        "id": "chat-system",
+        "request_id": "chat-system",
         "messages": [
             {"role": "system", "content": "You answer in one short sentence."},
             {"role": "user", "content": "Why is the sky blue?"},
@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     accepted: list[Job] = []
     for job in jobs:
         try:
-            prompts.append(encode(job, tokenizer))
+            prompts.append(job.record.token_ids(tokenizer))
         except ValueError as exc:
             bad.append(problem := BadInput(job.where, str(exc)))
             print(f"cb: error: {problem}", file=sys.stderr, flush=True)
@@ -120,7 +120,7 @@ def collect_jobs(args: argparse.Namespace) -> tuple[list[Job], list[BadInput]]:
     else:
         jobs, bad = [], []
         for i, data in enumerate(DEFAULT_PROMPTS, start=1):
-            job = make_job(f"built-in prompt {i}", data["id"], data, defaults)
+            job = make_job(f"built-in prompt {i}", data["request_id"], data, defaults)
             assert isinstance(job, Job)
             jobs.append(job)
     kept = []

@@ -9,7 +9,7 @@ from typing import Any, TextIO
 
 from cbcore.cli.main import CLIError
 from cbcore.cli.options_util import add_engine_flags, build_config, load_model
-from cbcore.cli.requests_util import BadInput, Job, encode, make_job, read_jobs
+from cbcore.cli.requests_util import BadInput, Job, make_job, read_jobs
 from cbcore.outputs import RequestOutput
 
 
@@ -20,8 +20,8 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
         help="generate text for prompts given as arguments or in a JSONL file",
         description="Generate text for prompts (arguments, or --input FILE.jsonl with one object per "
         "line: prompt or messages, optional max_new_tokens, temperature, top_k, top_p, seed, "
-        "priority, client_id, deadline_s, attrs, id). Results are JSONL, one line written and flushed "
-        "as each request finishes (so an interrupt keeps every finished result); 'id' names the request.",
+        "priority, client_id, deadline_s, attrs, request_id). Results are JSONL, one line written and flushed "
+        "as each request finishes (so an interrupt keeps every finished result) with the request_id as 'id'.",
     )
     parser.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt text (repeatable)")
     parser.add_argument("--input", "-i", metavar="FILE", help="JSONL file of requests")
@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     accepted: list[Job] = []
     for job in jobs:
         try:
-            ids = encode(job, tokenizer)
+            ids = job.record.token_ids(tokenizer)
             engine.add_request(
                 ids,
                 job.params,
@@ -102,7 +102,7 @@ def collect_jobs(args: argparse.Namespace, defaults: dict[str, Any]) -> tuple[li
         taken = {j.request_id for j in jobs}
         for job in more:
             if job.request_id in taken:
-                more_bad.append(BadInput(job.where, f"id {job.request_id!r} is already used"))
+                more_bad.append(BadInput(job.where, f"request_id {job.request_id!r} is already used"))
             else:
                 jobs.append(job)
         bad.extend(more_bad)

@@ -5,52 +5,26 @@ reported with its line number within a second and the good lines still run::
 
     {"prompt": "The capital of France is", "max_new_tokens": 8}
     {"messages": [{"role": "user", "content": "Hi!"}], "temperature": 0.7, "seed": 1,
-     "priority": 1, "client_id": "alice", "deadline_s": 2.5, "attrs": {"tier": "gold"}, "id": "greeting"}
+     "priority": 1, "client_id": "alice", "deadline_s": 2.5, "attrs": {"tier": "gold"}, "request_id": "greeting"}
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import ValidationError
 
+from cbcore.bench.workload import OLD_SPELLINGS, RequestRecord
 from cbcore.cli.main import CLIError
 from cbcore.plugins import validation_problems
-from cbcore.scheduling.request import RequestFields
 from cbcore.scheduling.sampling_params import SamplingParams
 
-SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed")
-
-
-class Message(BaseModel):
-    model_config = ConfigDict(extra="allow")  # chat templates may read more keys (name, tool calls)
-
-    role: str
-    content: str
-
-
-class RequestRecord(RequestFields):
-    """A request file's line: the prompt, sampling fields, and the shared scheduling fields."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    id: str | None = Field(None, min_length=1)
-    prompt: str | None = None
-    messages: list[Message] | None = Field(None, min_length=1)
-    max_new_tokens: int | None = None
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    seed: int | None = None
-
-    @model_validator(mode="after")
-    def _one_prompt(self) -> RequestRecord:
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of 'prompt' or 'messages'")
-        return self
+#: Record fields that place a request in a workload's time line, which a request file does not have.
+WORKLOAD_FIELDS = ("arrival_s", "follows")
 
 
 @dataclass
@@ -78,11 +52,13 @@ def make_job(where: str, default_id: str, data: Any, defaults: dict[str, Any]) -
         return BadInput(where, f"expected a JSON object, got {type(data).__name__}")
     try:
         record = RequestRecord.model_validate(data)
-        chosen = {k: getattr(record, k) for k in SAMPLING_FIELDS if getattr(record, k) is not None}
-        params = SamplingParams(**{**defaults, **chosen})
+        params = record.sampling_params(defaults)
     except ValidationError as exc:
         return BadInput(where, describe(exc))
-    return Job(where, record.id or default_id, record, params)
+    if timed := [f for f in WORKLOAD_FIELDS if getattr(record, f) is not None]:
+        return BadInput(where, f"{timed[0]}: every request of a request file starts at once (arrival times "
+                        "and follow-ups are for cb bench and cb simulate workloads)")  # fmt: skip
+    return Job(where, record.request_id or default_id, record, params)
 
 
 def describe(exc: ValidationError) -> str:
@@ -100,6 +76,7 @@ def read_jobs(path: str, defaults: dict[str, Any]) -> tuple[list[Job], list[BadI
         raise CLIError(f"cannot read {path}: {reason}") from None
     jobs: list[Job] = []
     bad: list[BadInput] = []
+    noted = False  # one note per file for an old field name
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -109,6 +86,9 @@ def read_jobs(path: str, defaults: dict[str, Any]) -> tuple[list[Job], list[BadI
         except json.JSONDecodeError as exc:
             bad.append(BadInput(where, f"not valid JSON: {exc.msg} (column {exc.colno})"))
             continue
+        if isinstance(data, dict) and (old := [k for k in OLD_SPELLINGS if k in data]) and not noted:
+            noted = True
+            print(f"cb: note: {where}: {old[0]!r} is read as {OLD_SPELLINGS[old[0]]!r}, its new name", file=sys.stderr)
         result = make_job(where, f"line-{number}", data, defaults)
         (bad if isinstance(result, BadInput) else jobs).append(result)
     if not jobs and not bad:
@@ -117,22 +97,8 @@ def read_jobs(path: str, defaults: dict[str, Any]) -> tuple[list[Job], list[BadI
     unique = []
     for job in jobs:
         if job.request_id in seen:
-            bad.append(BadInput(job.where, f"id {job.request_id!r} already used at {seen[job.request_id]}"))
+            bad.append(BadInput(job.where, f"request_id {job.request_id!r} already used at {seen[job.request_id]}"))
             continue
         seen[job.request_id] = job.where
         unique.append(job)
     return unique, bad
-
-
-def encode(job: Job, tokenizer: Any) -> list[int]:
-    """Token ids of the job's prompt; ``messages`` go through the tokenizer's chat template."""
-    record = job.record
-    if record.messages is None:
-        return list(tokenizer.encode(record.prompt))
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this model's tokenizer has no chat template; give 'prompt' instead of 'messages'")
-    messages = [m.model_dump() for m in record.messages]
-    ids = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=True, return_dict=False
-    )
-    return list(ids)

@@ -11,7 +11,7 @@ import argparse
 import sys
 from typing import Any
 
-from cbcore.cli.bench import add_report_flags, add_row_flags, parse_sweep, write_reports
+from cbcore.cli.bench import add_report_flags, add_row_flags, parse_sweep
 from cbcore.cli.main import CLIError
 
 EPILOG = """\
@@ -88,12 +88,14 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
 
 
 def run(args: argparse.Namespace) -> int:
+    from functools import partial
+
+    from cbcore.bench.driver import no_progress
     from cbcore.bench.metrics import SLO
     from cbcore.bench.sources import load_workload
-    from cbcore.bench.suite import prompt_token_ids
-    from cbcore.cli.bench import build_configs, progress_factory
+    from cbcore.cli.bench import build_configs, progress_factory, run_rows
     from cbcore.sim.profile import load_profile
-    from cbcore.sim.suite import simulate_suite
+    from cbcore.sim.suite import simulate_workload
 
     profile = load_profile(args.profile)
     problem = profile.unreliable(
@@ -115,41 +117,22 @@ def run(args: argparse.Namespace) -> int:
         if args.replicas == 1:
             raise CLIError("--router needs --replicas N with N > 1 (one engine has nothing to route)")
         configs = with_routers(configs, args.routers)
-    if sweep is not None:
-        result = _sweep(args, profile, sweep, configs, slo)
-    else:
-        workload = load_workload(args.workload, profile.model.vocab_size)
-        if args.save_trace:
-            workload.save(args.save_trace)
-        tokenizer = None
-        if any(r.prompt_token_ids is None for r in workload.requests):
-            tokenizer = _tokenizer(args.tokenizer, configs[0][1].model.path)
-        result = simulate_suite(
-            profile,
-            workload,
-            prompt_token_ids(workload, tokenizer),
-            configs,
-            slo=slo,
-            progress=progress_factory(args.no_progress),
-            replicas=args.replicas,
-            load_interval_s=args.load_interval,
-        )
+    draw = partial(load_workload, vocab_size=profile.model.vocab_size)
+    workload = None if sweep is not None else draw(args.workload)
+    tokenizer = None
+    if workload is not None and any(r.is_text for r in workload.requests):
+        tokenizer = _tokenizer(args.tokenizer, configs[0][1].model.path)
     p = profile.identity
-    print(
-        f"simulated: {p.model} ({p.dtype}, {p.backend}) on {p.hardware}, {p.source} profile", file=sys.stderr
-    )
-    for row in result.rows:
-        if row.get("extrapolated_steps"):
-            print(
-                f"cb: note: {row['name']}: {row['extrapolated_steps']} of {row['steps']} steps were wider than the "
-                f"profile's measured tables ({profile.describe().get('exact_up_to_tokens')} tokens) and were "
-                "priced in proportion to their tokens",
-                file=sys.stderr,
-            )
+    print(f"simulated: {p.model} ({p.dtype}, {p.backend}) on {p.hardware}, {p.source} profile", file=sys.stderr)
     if problem is not None:
         print(f"cb: warning: {problem.split(';')[0]}; used anyway (--force)", file=sys.stderr)
-    write_reports(result, args, "cb simulate")
-    return 0
+    # Worker processes draw no progress bars: several bars on one terminal garble each other.
+    progress = no_progress if args.jobs > 1 else progress_factory(args.no_progress)
+    suite = partial(
+        simulate_workload, profile, tokenizer=tokenizer, slo=slo, progress=progress,
+        replicas=args.replicas, load_interval_s=args.load_interval,
+    )  # fmt: skip
+    return run_rows(args, "cb simulate", sweep, configs, suite, draw, workload, jobs=args.jobs)
 
 
 def _measured_names() -> str:
@@ -160,19 +143,6 @@ def _measured_names() -> str:
     for i in range(0, len(names), 3):
         lines.append("    " + "  ".join(f"{n:30}" for n in names[i : i + 3]).rstrip())
     return "\n".join(lines)
-
-
-def _sweep(args: argparse.Namespace, profile: Any, sweep: Any, configs: list[tuple[str, Any]], slo: Any) -> Any:
-    """Every row at every value of the sweep, ``--jobs`` points at a time."""
-    from cbcore.bench.sweep import draw_points
-    from cbcore.cli.bench import progress_factory
-    from cbcore.sim.sweep import SimOptions, simulate_sweep
-
-    points = draw_points(sweep, args.workload, profile.model.vocab_size)
-    options = SimOptions(slo=slo, replicas=args.replicas, load_interval_s=args.load_interval)
-    # Worker processes draw no progress bars: several bars on one terminal garble each other.
-    progress = progress_factory(args.no_progress or args.jobs > 1)
-    return simulate_sweep(profile, sweep, points, configs, options, jobs=args.jobs, progress=progress)
 
 
 def with_routers(configs: list[tuple[str, Any]], routers: list[str]) -> list[tuple[str, Any]]:

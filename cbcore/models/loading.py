@@ -51,3 +51,11 @@ def load_model_and_tokenizer(path: str | None, cfg: ModelConfig) -> tuple[Any, A
     model.to(device).eval()
     log.info("model loaded", path=path, dtype=str(next(model.parameters()).dtype), device=str(device))
     return model, tokenizer
+
+
+def eos_token_ids(model: Any) -> tuple[int, ...]:
+    """The token ids that end a request (unless it ignores EOS): the generation config's, else the model config's."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = getattr(model.config, "eos_token_id", None)
+    return (eos,) if isinstance(eos, int) else tuple(eos or ())

@@ -45,10 +45,9 @@ class EngineReplica:
         from ray import serve
 
         from cbcore.engine import Engine
+        from cbcore.kernels.native import hold_freed_memory
         from cbcore.models.loading import load_model_and_tokenizer
         from cbcore.scale.listeners import bind_replica_grpc_to_node_ip
-
-        from cbcore.kernels.native import hold_freed_memory
 
         bind_replica_grpc_to_node_ip()  # before Serve starts this replica's gRPC server on [::]
         hold_freed_memory()  # a replica is its own process: the application's allocator setting

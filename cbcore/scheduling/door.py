@@ -290,7 +290,7 @@ class Door:
             except BaseException as exc:
                 try:
                     self._narrow(policy, "on_step_end", [r.seq for r in results],
-                                 lambda view: policy.on_step_end([r for r in results if r.seq is view], now), exc)  # fmt: skip
+                                 lambda view, p=policy: p.on_step_end([r for r in results if r.seq is view], now), exc)  # fmt: skip
                 except PolicyError as err:
                     log.error("policy event failed", plugin=err.plugin, method="on_step_end",
                               request_id=err.request_id, error=str(err), exc_info=exc)  # fmt: skip

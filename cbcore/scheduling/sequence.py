@@ -149,8 +149,19 @@ class SeqView:
     garbage collector or frames).
     """
 
-    __slots__ = ("_seq", "_blocks", "request_id", "priority", "client_id", "arrival_time", "deadline_s", "attrs",
-                 "params", "prompt_token_ids", "num_prompt_tokens")  # fmt: skip
+    __slots__ = (
+        "_blocks",
+        "_seq",
+        "arrival_time",
+        "attrs",
+        "client_id",
+        "deadline_s",
+        "num_prompt_tokens",
+        "params",
+        "priority",
+        "prompt_token_ids",
+        "request_id",
+    )  # fmt: skip
 
     def __init__(self, seq: Sequence, blocks: Any = None) -> None:
         put = object.__setattr__

@@ -5,19 +5,14 @@ linear-layer columns are kept in ``tests/data/h100-llama-2-7b-linear.csv``):
 the median time of the fused QKV, output, fused gate+up and down projections
 of one layer, for 1 to 4096 tokens. :func:`check_linear` prices the same four
 products with :func:`cbcore.sim.roofline.linear_time_per_layer` and reports
-the relative errors; :func:`fit_efficiencies` finds the FLOP/s and bandwidth
-efficiencies that minimise them, which is how the shipped Hopper profiles got
-theirs.
-
-    python -m cbcore.sim.anchor tests/data/h100-llama-2-7b-linear.csv
+the relative errors; ``scripts/fit_roofline.py`` finds the FLOP/s and
+bandwidth efficiencies that minimise them, which is how the shipped Hopper
+profiles got theirs.
 """
 
 from __future__ import annotations
 
 import csv
-import itertools
-import json
-import sys
 from pathlib import Path
 from statistics import fmean, median
 
@@ -35,8 +30,6 @@ LLAMA_2_7B = ModelShape(
     vocab_size=32000,
     max_position_embeddings=4096,
 )
-# Data-sheet numbers of the H100 SXM: dense BF16 tensor-core FLOP/s, HBM3 bandwidth.
-H100_SXM = Hardware(name="NVIDIA H100 SXM", peak_flops=989e12, mem_bandwidth=3.35e12)
 
 
 def load_linear(path: str | Path) -> list[tuple[int, float]]:
@@ -62,41 +55,3 @@ def check_linear(hw: Hardware, model: ModelShape, timings: list[tuple[int, float
         "mean_abs_upto_64_tokens": fmean(small) if small else float("nan"),
         "points": len(errors),
     }
-
-
-def fit_efficiencies(hw: Hardware, model: ModelShape, timings: list[tuple[int, float]]) -> Hardware:
-    """The (FLOP/s, bandwidth) efficiencies on a 2 % grid with the smallest mean relative error."""
-    grid = [i / 100 for i in range(30, 101, 2)]
-    best = min(
-        itertools.product(grid, grid),
-        key=lambda fb: check_linear(
-            hw.model_copy(update={"flops_efficiency": fb[0], "bandwidth_efficiency": fb[1]}), model, timings
-        )["mean_abs"],
-    )
-    return hw.model_copy(update={"flops_efficiency": best[0], "bandwidth_efficiency": best[1]})
-
-
-def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print("usage: python -m cbcore.sim.anchor LINEAR_TIMINGS.csv", file=sys.stderr)
-        return 2
-    timings = load_linear(argv[0])
-    report = {}
-    for overlap in (True, False):
-        hw = H100_SXM.model_copy(update={"overlap": overlap})
-        nominal = hw.model_copy(update={"flops_efficiency": 1.0, "bandwidth_efficiency": 1.0})
-        fitted = fit_efficiencies(hw, LLAMA_2_7B, timings)
-        report["max" if overlap else "sum"] = {
-            "peaks": check_linear(nominal, LLAMA_2_7B, timings),
-            "fitted": {
-                "flops_efficiency": fitted.flops_efficiency,
-                "bandwidth_efficiency": fitted.bandwidth_efficiency,
-                **check_linear(fitted, LLAMA_2_7B, timings),
-            },
-        }
-    print(json.dumps(report, indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -9,11 +9,14 @@ each sampling row gets a filler token, and a request ends when it reaches its
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
+import torch
+
+from cbcore.bench.driver import VirtualClock
 from cbcore.config import EngineConfig
 from cbcore.engine_core import EngineCore
+from cbcore.execution.runner import KVGeometry, plan_num_blocks
 from cbcore.scheduling.plan import Sampled, StepPlan
 from cbcore.scheduling.policy_scheduler import build_scheduler
 from cbcore.sim.profile import Profile
@@ -21,24 +24,6 @@ from cbcore.sim.shape import StepShape
 
 #: The token every simulated step emits (no request in a trace stops on it).
 FILLER_TOKEN = 0
-
-
-class VirtualClock:
-    """Simulated seconds; only the executor (a step's cost) and the event loop move it."""
-
-    def __init__(self, now: float = 0.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        if not seconds >= 0:
-            raise ValueError(f"the clock cannot go back or stall on a non-number: {seconds}")
-        self.now += seconds
-
-    def advance_to(self, when: float) -> None:
-        self.now = max(self.now, when)
 
 
 class SimExecutor:
@@ -73,23 +58,20 @@ class SimExecutor:
 
 
 def sim_num_blocks(config: EngineConfig, profile: Profile) -> int:
-    """As the engine sizes its pool, with the profile's device memory where it states one.
+    """The engine's own sizing of its pool, for the profile's model and the device memory it states.
 
     A measured GPU profile states its KV capacity in tokens (the GPUs' memory less the weights);
     ``kv_cache.num_blocks`` or ``kv_cache.max_memory_mb`` in the config take precedence.
     """
     kv = config.kv_cache
-    if kv.num_blocks is not None:
-        return kv.num_blocks
-    if "max_memory_mb" not in kv.model_fields_set:
-        tokens = profile.kv_capacity_tokens()
-        if tokens is not None:
+    if kv.num_blocks is None and "max_memory_mb" not in kv.model_fields_set:
+        if (tokens := profile.kv_capacity_tokens()) is not None:
             return max(1, tokens // kv.block_size)
-    memory_mb = kv.max_memory_mb
-    if "max_memory_mb" not in kv.model_fields_set and profile.kv_memory_mb() is not None:
-        memory_mb = profile.kv_memory_mb()
-    per_block = kv.block_size * profile.model.kv_bytes_per_token(profile.dtype_bytes)
-    return max(1, math.floor(memory_mb * 2**20 / per_block))
+        if (memory_mb := profile.kv_memory_mb()) is not None:
+            kv = kv.model_copy(update={"max_memory_mb": memory_mb})
+    m = profile.model
+    geometry = KVGeometry(m.num_layers, m.num_kv_heads, m.head_dim)
+    return plan_num_blocks(kv, geometry, getattr(torch, profile.identity.dtype))
 
 
 def sim_engine(config: EngineConfig, profile: Profile, clock: VirtualClock | None = None) -> EngineCore:

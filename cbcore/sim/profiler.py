@@ -1,7 +1,8 @@
 """`cb profile`: time real engine steps over a grid of step shapes and fit a step-time model.
 
 The steps are the engine's own (scheduler, packing, forward, sampling and
-bookkeeping, timed by :class:`~cbcore.stats.StepStats`), driven with request
+bookkeeping), timed the one way cbcore times a step
+(:func:`cbcore.bench.stepcost.timed_steps`), driven with request
 groups chosen to cover the shapes a workload produces: decode batches of every
 width in the grid at short and long contexts (attention work), whole and
 chunked prefills of several sizes, and prefills joining running decodes
@@ -16,16 +17,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
 
 import torch
 
+from cbcore.bench.stepcost import random_prompt, timed_steps
 from cbcore.config import EngineConfig
 from cbcore.engine import Engine
-from cbcore.engine_core import Executor, StepRecord
 from cbcore.kernels.native import hardware_name
 from cbcore.log import get_logger
-from cbcore.scheduling.plan import Sampled, StepPlan
 from cbcore.scheduling.sampling_params import SamplingParams
 from cbcore.sim.fitted import fit_cost
 from cbcore.sim.model_shape import ModelShape
@@ -72,27 +71,6 @@ QUICK = Grid(
 )
 
 
-class ShapeRecorder:
-    """Wraps the engine's executor to note each step's shape before it runs."""
-
-    def __init__(self, inner: Executor) -> None:
-        self.inner = inner
-        self.shapes: list[StepShape] = []
-
-    def prepare(self, plan: StepPlan) -> Any:
-        self.shapes.append(StepShape.of(plan))
-        return self.inner.prepare(plan)
-
-    def batch_of(self, prepared: Any) -> Any:
-        return self.inner.batch_of(prepared)
-
-    def forward(self, prepared: Any) -> Any:
-        return self.inner.forward(prepared)
-
-    def sample(self, prepared: Any, forwarded: Any, rng_states: list) -> Sampled:
-        return self.inner.sample(prepared, forwarded, rng_states)
-
-
 def profile_config(config: EngineConfig, grid: Grid) -> EngineConfig:
     """The user's config (backend, KV layout, model) with a budget wide enough for every grid shape."""
     data = config.model_dump()
@@ -114,18 +92,9 @@ def measure(
 ) -> tuple[list[StepShape], list[float]]:
     """Run the grid's request groups through ``engine``; every non-empty step's shape and seconds."""
     rng = random.Random(seed)
-    recorder = ShapeRecorder(engine.executor)
-    engine.executor = recorder
-    times: list[float] = []
-
-    def listen(record: StepRecord) -> None:
-        if record.stats.num_seqs:
-            times.append(record.stats.total_s)
-
-    engine.step_listeners.append(listen)
 
     def prompt(n: int) -> list[int]:
-        return [rng.randrange(engine.vocab_size) for _ in range(n)]
+        return random_prompt(rng, engine.vocab_size, n)
 
     def params(n: int) -> SamplingParams:
         return SamplingParams(max_new_tokens=n, ignore_eos=True)
@@ -134,9 +103,8 @@ def measure(
         while engine.has_unfinished():
             engine.step()
 
-    try:
-        engine.generate([prompt(8)], params(3))  # first-call costs, then forget those steps
-        del recorder.shapes[:], times[:]
+    engine.generate([prompt(8)], params(3))  # first-call costs, not recorded
+    with timed_steps(engine) as steps:
         for width in grid.widths:
             for context in sorted({grid.short_context, max(grid.short_context, grid.group_tokens // width)}):
                 if progress:
@@ -158,12 +126,7 @@ def measure(
             engine.step()
             engine.add_request(prompt(joining), params(2))
             drain()
-    finally:
-        engine.executor = recorder.inner
-        engine.step_listeners.remove(listen)
-    if len(recorder.shapes) != len(times):
-        raise RuntimeError(f"{len(recorder.shapes)} step shapes for {len(times)} timed steps")
-    return recorder.shapes, times
+    return [s.shape for s in steps], [s.stats.total_s for s in steps]
 
 
 def make_profile(engine: Engine, model_name: str, grid: Grid = FULL, seed: int = 0, progress=None) -> Profile:

@@ -8,13 +8,12 @@ own exact count of requests in flight per replica.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 
 from cbcore.bench.workload import BenchRequest
+from cbcore.engine_core import EngineCore
 from cbcore.outputs import EngineLoad
 from cbcore.scale.router import ReplicaView, Router, RouteRequest, checked_choice
-from cbcore.sim.loop import Replica
 
 
 def replica_ids(n: int) -> list[str]:
@@ -24,26 +23,23 @@ def replica_ids(n: int) -> list[str]:
 
 
 class RouterPlacement:
-    """The simulation's placement (:class:`cbcore.sim.loop.Placement`) by a router plugin."""
+    """The driver's placement (:class:`cbcore.bench.driver.Placement`) by a router plugin."""
 
-    def __init__(
-        self, router: Router, n: int, token_ids: Mapping[str, Seq[int]], load_interval_s: float = 0.5
-    ) -> None:
+    def __init__(self, router: Router, n: int, load_interval_s: float = 0.5) -> None:
         if load_interval_s <= 0:
             raise ValueError(f"load_interval_s must be > 0, got {load_interval_s}")
         self.router = router
         self.ids = replica_ids(n)
-        self.token_ids = token_ids
         self.load_interval_s = load_interval_s
         self.in_flight = [0] * n
         self.placed = [0] * n
         self._loads: list[EngineLoad] | None = None
         self._loads_at = -float("inf")
 
-    def place(self, request: BenchRequest, replicas: Seq[Replica]) -> int:
+    def place(self, request: BenchRequest, prompt: Seq[int], engines: Seq[EngineCore]) -> int:
         now = request.arrival_s
         if now - self._loads_at >= self.load_interval_s:
-            self._loads = [r.engine.load() for r in replicas]
+            self._loads = [e.load() for e in engines]
             self._loads_at = now
         age = now - self._loads_at
         assert self._loads is not None
@@ -53,7 +49,7 @@ class RouterPlacement:
         ]
         req = RouteRequest(
             request.request_id,
-            tuple(self.token_ids.get(request.request_id, ())),
+            tuple(prompt),
             request.priority,
             request.client_id,
             request.max_new_tokens,

@@ -1,23 +1,24 @@
-"""One workload through several configurations, simulated; the result is the benchmark's.
+"""`cb simulate`'s rows: each configuration as simulated engines, in the benchmark's own suite.
 
-Rows, metrics and reports are :mod:`cbcore.bench`'s own, so a ``cb simulate``
-table reads like a ``cb bench`` table of the same workload and can be put
-beside it line by line.
+A row is one configuration on fresh engines and virtual clocks, driven by the
+benchmark's driver and summarised by its suite (:func:`cbcore.bench.suite.run_rows`),
+so a ``cb simulate`` table reads like a ``cb bench`` table of the same
+workload and can be put beside it line by line.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from functools import partial
 from typing import Any
 
-from cbcore.bench.driver import ProgressFactory, no_progress
-from cbcore.bench.metrics import SLO, latency_samples
-from cbcore.bench.suite import BenchResult, budget_limit, summarize_runs
-from cbcore.bench.workload import Workload
+from cbcore.bench.driver import ProgressFactory, RunResult, VirtualClock, drive, no_progress
+from cbcore.bench.metrics import SLO
+from cbcore.bench.suite import BenchResult, Row, budget_limit, prompt_token_ids, run_rows
+from cbcore.bench.workload import Workload, WorkloadError
 from cbcore.config import EngineConfig
 from cbcore.plugins import get_registry
-from cbcore.sim.executor import VirtualClock, sim_engine
-from cbcore.sim.loop import Replica, simulate_run
+from cbcore.sim.executor import sim_engine
 from cbcore.sim.profile import Profile
 from cbcore.sim.routing import RouterPlacement
 
@@ -41,40 +42,62 @@ def simulate_suite(
     """
     if replicas < 1:
         raise ValueError(f"replicas must be at least 1, got {replicas}")
-    names = [n for n, _ in configs]
-    if len(set(names)) != len(names):
-        raise ValueError(f"two rows share a name: {names}")
-    rows = []
-    samples = {}
-    for name, config in configs:
-        engines = []
-        for _ in range(replicas):
-            clock = VirtualClock()
-            engines.append(Replica(sim_engine(config, profile, clock), clock))
-        placement = None
-        if replicas > 1:
-            placement = RouterPlacement(
-                get_registry(tuple(config.plugins)).create(
-                    "router", config.router.name, config.router.params, "router"
-                ),
-                replicas,
-                {r.request_id: ids for r, ids in zip(workload.requests, token_ids, strict=True)},
-                load_interval_s,
-            )
-        run = simulate_run(engines, name, workload, token_ids, placement=placement, progress=progress)
-        run.info = {
-            "scheduler": config.scheduler.model_dump(exclude_defaults=True) or "default",
-            "max_num_seqs": budget_limit(config, "max_num_seqs"),
-            "kv_blocks": engines[0].engine.load().kv_blocks_total,
-            "extrapolated_steps": sum(r.engine.executor.extrapolated_steps for r in engines),
+    if workload.is_closed_loop:
+        raise WorkloadError(
+            f"workload {workload.name!r} is closed-loop (requests follow others' answers); "
+            "the simulator replays open-loop workloads only"
+        )
+    simulate = partial(_simulate, profile, workload, token_ids, progress, replicas, load_interval_s)
+    rows = [Row(name, "simulated", partial(simulate, name, config)) for name, config in configs]
+    result = run_rows(workload, rows, slo=slo)
+    result.workload["profile"] = profile.describe()
+    return result
+
+
+def simulate_workload(
+    profile: Profile,
+    workload: Workload,
+    configs: Seq[tuple[str, EngineConfig]],
+    tokenizer: Any | None = None,
+    **options: Any,
+) -> BenchResult:
+    """:func:`simulate_suite` with the prompts' token ids (text ones by ``tokenizer``): `cb simulate`'s
+    suite, also in the worker process of a sweep's point."""
+    return simulate_suite(profile, workload, prompt_token_ids(workload, tokenizer), configs, **options)
+
+
+def _simulate(
+    profile: Profile,
+    workload: Workload,
+    token_ids: Seq[Seq[int]],
+    progress: ProgressFactory,
+    replicas: int,
+    load_interval_s: float,
+    name: str,
+    config: EngineConfig,
+) -> RunResult:
+    engines = [sim_engine(config, profile, VirtualClock()) for _ in range(replicas)]
+    placement = None
+    if replicas > 1:
+        registry = get_registry(tuple(config.plugins))
+        router = registry.create("router", config.router.name, config.router.params, "router")
+        placement = RouterPlacement(router, replicas, load_interval_s)
+    run = drive(engines, name, workload, token_ids, placement=placement, progress=progress)
+    run.info = {
+        "scheduler": config.scheduler.model_dump(exclude_defaults=True) or "default",
+        "max_num_seqs": budget_limit(config, "max_num_seqs"),
+        "kv_blocks": engines[0].load().kv_blocks_total,
+        "extrapolated_steps": (wide := sum(e.executor.extrapolated_steps for e in engines)),
+    }
+    if wide:
+        run.info["notes"] = [
+            f"{wide} of {len(run.steps)} steps were wider than the profile's measured tables and were "
+            "priced in proportion to their tokens (the profile says where its tables end)"
+        ]
+    if placement is not None:
+        run.info |= {
+            "replicas": replicas,
+            "router": config.router.model_dump(),
+            "placed_min_max": [min(placement.placed), max(placement.placed)],
         }
-        if placement is not None:
-            run.info |= {
-                "replicas": replicas,
-                "router": config.router.model_dump(),
-                "placed_min_max": [min(placement.placed), max(placement.placed)],
-            }
-        rows.append(summarize_runs(None, workload, [run], None, slo))
-        samples[name] = latency_samples(run.outputs)
-    described: dict[str, Any] = {**workload.describe(), "profile": profile.describe()}
-    return BenchResult(workload=described, rows=rows, samples=samples)
+    return run

@@ -10,8 +10,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence as Seq
 
-from cbcore.scheduling.block_manager import BlockManager
-from cbcore.scheduling.block_manager import BlockHash, extend_hashes
+from cbcore.scheduling.block_manager import BlockHash, BlockManager, extend_hashes
 from cbcore.scheduling.sequence import Sequence
 
 

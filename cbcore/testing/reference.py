@@ -8,16 +8,14 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig
 
+from cbcore.models.loading import eos_token_ids
+
 
 @dataclass(frozen=True)
 class ReferenceOutput:
     token_ids: list[int]
     # Per generated position, the top-k (token id -> log-prob); only when asked for.
     top_logprobs: list[dict[int, float]] | None = None
-
-
-def _eos(model: torch.nn.Module) -> int | list[int] | None:
-    return getattr(model.generation_config, "eos_token_id", None)
 
 
 @torch.inference_mode()
@@ -39,8 +37,8 @@ def reference_generate(
     if len(caps) != len(prompts):
         raise ValueError(f"{len(caps)} max_new_tokens for {len(prompts)} prompts")
     device = next(model.parameters()).device
-    eos = None if ignore_eos else _eos(model)
-    pad = eos if isinstance(eos, int) else (eos[0] if eos else 0)
+    eos = () if ignore_eos else eos_token_ids(model)
+    pad = eos[0] if eos else 0
     results = []
     for prompt, cap in zip(prompts, caps, strict=True):
         ids = torch.tensor([list(prompt)], dtype=torch.long, device=device)
@@ -48,7 +46,7 @@ def reference_generate(
             max_new_tokens=cap,
             do_sample=False,
             # None would be filled in from the model's own generation config; -1 never matches.
-            eos_token_id=eos if eos is not None else -1,
+            eos_token_id=list(eos) if eos else -1,
             pad_token_id=pad,
             output_logits=bool(top_logprobs),
             return_dict_in_generate=True,

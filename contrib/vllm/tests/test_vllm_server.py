@@ -108,7 +108,7 @@ def test_cb_bench_drives_vllm_with_the_same_trace_and_fields(server: dict[str, A
     from cbcore.bench.workload import BenchRequest, Workload
 
     reqs = tuple(
-        BenchRequest(f"bench-{i}", 0.05 * i, 4, prompt_token_ids=tuple(range(20 + i, 40 + i)), ignore_eos=True,
+        BenchRequest(request_id=f"bench-{i}", arrival_s=0.05 * i, max_new_tokens=4, prompt_token_ids=tuple(range(20 + i, 40 + i)), ignore_eos=True,
                      priority=i % 2, client_id=f"bench-{'ab'[i % 2]}", deadline_s=30.0 + i, attrs={"i": i})
         for i in range(6)
     )  # fmt: skip

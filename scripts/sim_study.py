@@ -4,14 +4,14 @@ Runs each policy mix on one workload with one profile and prints a Markdown
 table: throughput, TTFT p50/p99 overall and per class (priority value and
 client), and the fairness spread across clients::
 
-    python -m cbcore.sim.study --profile h200-llama-3-8b \\
+    .venv/bin/python scripts/sim_study.py --profile h200-llama-3-8b \\
         --workload "gamma:n=10000,rate=45,burstiness=0.2,clients=a:6/b:3/c:1,priorities=0:1/1:4,seed=0" \\
         --set scheduler.budget.max_num_seqs=256 --set scheduler.budget.max_num_batched_tokens=8192 \\
         --policy fcfs --policy priority --policy vtc --policy sjf
 
-The rows come from :func:`cbcore.sim.suite.simulate_suite` (the benchmark's
-own metrics); the per-class columns split the same requests by their
-``priority`` and ``client_id``.
+The rows are the benchmark's own metrics of runs through its driver
+(:func:`cbcore.bench.driver.drive` on simulated engines); the per-class
+columns split the same requests by their ``priority`` and ``client_id``.
 """
 
 from __future__ import annotations
@@ -21,13 +21,15 @@ import sys
 import time
 from collections.abc import Sequence as Seq
 
-from cbcore.bench.metrics import completed, percentile
+from cbcore.bench.driver import VirtualClock, drive
+from cbcore.bench.metrics import completed, percentile, summarize
 from cbcore.bench.sources import load_workload
+from cbcore.bench.suite import prompt_token_ids
 from cbcore.bench.workload import BenchRequest
+from cbcore.cli.common import scheduler_from_mix
 from cbcore.config import EngineConfig
 from cbcore.outputs import RequestOutput
-from cbcore.sim.executor import VirtualClock, sim_engine
-from cbcore.sim.loop import Replica, simulate_run
+from cbcore.sim.executor import sim_engine
 from cbcore.sim.profile import load_profile
 
 
@@ -43,10 +45,7 @@ def class_ttft(
 
 
 def main(argv: list[str] | None = None) -> int:
-    from cbcore.bench.metrics import summarize
-    from cbcore.cli.common import scheduler_from_mix
-
-    parser = argparse.ArgumentParser(prog="python -m cbcore.sim.study", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="scripts/sim_study.py", description=__doc__.splitlines()[0])
     parser.add_argument("--profile", required=True)
     parser.add_argument("--workload", required=True)
     parser.add_argument("--policy", action="append", required=True, dest="policies")
@@ -54,13 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     profile = load_profile(args.profile)
     workload = load_workload(args.workload, profile.model.vocab_size)
-    ids = [list(r.prompt_token_ids or ()) for r in workload.requests]
+    ids = prompt_token_ids(workload, None)
     header = None
     for mix in args.policies:
         config = EngineConfig.from_dict({"scheduler": scheduler_from_mix(mix)}, args.overrides)
-        clock = VirtualClock()
         started = time.perf_counter()
-        run = simulate_run([Replica(sim_engine(config, profile, clock), clock)], mix, workload, ids)
+        run = drive([sim_engine(config, profile, VirtualClock())], mix, workload, ids)
         took = time.perf_counter() - started
         row = summarize(mix, workload.requests, run.outputs, run.duration_s, steps=run.steps)
         p99 = {
