@@ -12,6 +12,7 @@ from transformers import PreTrainedModel
 from cbcore.config import EngineConfig
 from cbcore.engine_core import EngineCore, Prompt, RequestError, StepRecord, build_scheduler
 from cbcore.execution.runner import KVGeometry, ModelRunner, plan_num_blocks
+from cbcore.models.loading import eos_token_ids
 from cbcore.plugins import get_registry
 
 __all__ = ["Engine", "Prompt", "RequestError", "StepRecord"]
@@ -62,7 +63,7 @@ class Engine(EngineCore):
             vocab_size=text_cfg.vocab_size,
             max_model_len=wanted or positions,
             names=names,
-            eos_token_ids=_eos_ids(model),
+            eos_token_ids=eos_token_ids(model),
             tokenizer=tokenizer,
             clock=clock,
         )
@@ -75,13 +76,6 @@ class Engine(EngineCore):
         config = config if config is not None else EngineConfig()
         model, tokenizer = load_model_and_tokenizer(path or config.model.path, config.model)
         return cls(model, tokenizer, config)
-
-
-def _eos_ids(model: PreTrainedModel) -> frozenset[int]:
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if eos is None:
-        eos = getattr(model.config, "eos_token_id", None)
-    return frozenset([eos] if isinstance(eos, int) else eos or ())
 
 
 def _check_model_matches(model: PreTrainedModel, config: EngineConfig) -> None:
