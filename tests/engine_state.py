@@ -30,7 +30,9 @@ def engine_state(engine: Any, prompts: Mapping[str, Sequence[int]] | None = None
     """
     sched = engine.scheduler
     blocks = sched.blocks
-    queues = {name: [s.request_id for s in getattr(sched, name)] for name in ("waiting", "running", "swapped")}
+    queues = {
+        name: [s.request_id for s in getattr(sched, name)] for name in ("waiting", "running", "swapped")
+    }
     requests = {}
     for rid in sorted(r for ids in queues.values() for r in ids):
         seq = sched.get(rid)
@@ -72,7 +74,11 @@ def differences(before: dict[str, Any], after: dict[str, Any], path: str = "") -
     """Where two states differ, as ``path: before != after`` lines (for a readable assertion)."""
     if isinstance(before, dict) and isinstance(after, dict):
         keys = sorted(before.keys() | after.keys(), key=str)
-        return [d for k in keys for d in differences(before.get(k), after.get(k), f"{path}.{k}" if path else str(k))]
+        return [
+            d
+            for k in keys
+            for d in differences(before.get(k), after.get(k), f"{path}.{k}" if path else str(k))
+        ]
     return [] if before == after else [f"{path}: {before!r} != {after!r}"]
 
 

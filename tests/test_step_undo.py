@@ -84,7 +84,9 @@ class Run:
             "budget": {"name": "token-budget", "max_num_seqs": 4, "max_num_batched_tokens": 32},
         }
         kv = {"block_size": 4, "num_blocks": num_blocks, "prefix_caching": True}
-        config = EngineConfig.model_validate({"backend": {"name": "eager"}, "kv_cache": kv, "scheduler": scheduler})
+        config = EngineConfig.model_validate(
+            {"backend": {"name": "eager"}, "kv_cache": kv, "scheduler": scheduler}
+        )
         self.model, self.engine = model, Engine(model, config=config)
         self.prompts: dict[str, list[int]] = {}
         self.done: dict[str, Any] = {}
@@ -214,7 +216,9 @@ def test_a_forward_raising_costs_a_request_whose_blocks_it_reused_a_recompute_on
     run.finish_exactly()
 
 
-def test_the_admission_time_of_a_request_admitted_by_an_undone_step_is_its_later_admission(models, monkeypatch):
+def test_the_admission_time_of_a_request_admitted_by_an_undone_step_is_its_later_admission(
+    models, monkeypatch
+):
     run = admitting_step(models)
     plugin("RaisingPrefill").raise_for = "c"
     run.failing_step("num_tokens failed for c")
