@@ -25,6 +25,7 @@ stops the engine. Policies get read-only views
 
 from __future__ import annotations
 
+import inspect
 import signal
 import threading
 from collections.abc import Mapping
@@ -142,6 +143,9 @@ class Door:
             if used := [n for n in gone if n in vars(policy) or any(n in vars(c) for c in type(policy).__mro__[:-1]
                                                                       if c.__module__ != _Policy.__module__)]:
                 raise TypeError(f"{self.names[id(policy)]} sets {used[0]!r}, which cbcore no longer reads: {gone[used[0]]}")
+        if "batch_empty" in inspect.signature(prefill.num_tokens).parameters:  # the old meaning, inverted
+            raise TypeError(f"{self.names[id(prefill)]}: num_tokens(seq, tokens_left, batch_empty) is now "
+                            "num_tokens(seq, tokens_left, scheduled): batch_empty is `not scheduled`")  # fmt: skip
         self.mode = getattr(preemption.params, "mode", "recompute")
         if self.mode not in ("recompute", "swap"):
             raise ValueError(f"{self.names[id(preemption)]}: mode must be 'recompute' or 'swap', got {self.mode!r}")

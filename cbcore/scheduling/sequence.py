@@ -149,25 +149,14 @@ class SeqView:
     garbage collector or frames).
     """
 
-    __slots__ = (
-        "_blocks",
-        "_seq",
-        "arrival_time",
-        "attrs",
-        "client_id",
-        "deadline_s",
-        "num_prompt_tokens",
-        "params",
-        "priority",
-        "prompt_token_ids",
-        "request_id",
-    )  # fmt: skip
+    _COPIED = ("request_id", "priority", "client_id", "arrival_time", "deadline_s", "attrs", "params")
+    __slots__ = ("_blocks", "_seq", "num_prompt_tokens", "prompt_token_ids", *_COPIED)
 
     def __init__(self, seq: Sequence, blocks: Any = None) -> None:
         put = object.__setattr__
         put(self, "_seq", seq)
         put(self, "_blocks", blocks)  # the block manager, for a waiting sequence's cached prefix
-        for name in self.__slots__[2:-2]:
+        for name in self._COPIED:  # fixed for the request's life
             put(self, name, getattr(seq, name))
         put(self, "prompt_token_ids", tuple(seq.prompt_token_ids))
         put(self, "num_prompt_tokens", len(seq.prompt_token_ids))

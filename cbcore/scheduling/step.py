@@ -27,15 +27,18 @@ no event of a step that was undone.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any
 
+from cbcore.log import get_logger
 from cbcore.scheduling.plan import RowPlan, Sampled, StepPlan
 from cbcore.scheduling.policy import StepResult
 from cbcore.scheduling.scheduler import Scheduler, SchedulerError, SchedulerOutput, SchedulerStall
 from cbcore.scheduling.sequence import FinishReason, Sequence, SequenceStatus
+
+log = get_logger(__name__)
 
 MAX_IDLE_STEPS = 8
 WINDOW_CAPACITIES = 4
@@ -106,6 +109,7 @@ class StepTransaction:
         self.blocks_point = sched.blocks.undo_point()
         self.restore_own = sched.snapshot()
         self.out: SchedulerOutput | None = None
+        self.executed: StepPlan | None = None  # the checked plan: from then on the executor may write KV
         self.rng: list[tuple[Any, Any]] = []  # (generator, state before sampling)
         self.appended: list[tuple[Sequence, bool]] = []  # (seq, whether it had a first token before)
 
@@ -115,6 +119,7 @@ class StepTransaction:
         plan, computed, sampled = check_plan(out, self.scheduler.blocks, self.steps.culprit)
         self.steps.observe(out, computed, sampled, lambda: f"{len(self.idle)} waiting, {len(self.held)} holding KV")
         self.rng = [(row.generator, row.generator.get_state()) for row in plan.rows if row.generator is not None]
+        self.executed = plan
         return plan
 
     def commit(self, sampled: Sampled) -> tuple[dict[Sequence, int], list[Sequence], list[StepResult]]:
@@ -154,7 +159,14 @@ class StepTransaction:
         return new_token, failed, results
 
     def undo(self) -> None:
-        """Put everything back as it was before the step."""
+        """Put everything back as it was before the step.
+
+        KV the executor may have written cannot be put back: a sequence whose
+        blocks the step gave to another (it was preempted or swapped out, and
+        its blocks reused) keeps only its blocks before the first one written,
+        and computes the rest again.
+        """
+        written = self.written() if self.executed is not None else {}
         for seq, had_first in reversed(self.appended):
             seq.token_ids.pop()
             seq.token_times.pop()
@@ -169,12 +181,38 @@ class StepTransaction:
             del table[n:]
             seq.status, seq.num_computed_tokens, seq.num_preemptions, seq.block_table = status, computed, preemptions, table
             seq.finish_reason = seq.finish_time = seq.error = None
+            if written:
+                self.drop_overwritten(seq, written)
         for seq in self.idle:
             seq.status, seq.num_computed_tokens, seq.block_table = SequenceStatus.WAITING, 0, []
             if seq.first_scheduled_time is not None and seq.first_scheduled_time >= self.since:
                 seq.first_scheduled_time = None  # first admitted by the step being undone
             seq.finish_reason = seq.finish_time = seq.error = None
         self.scheduler.blocks.reset_to([held[0] for held in self.held], self.blocks_point)
+
+    def written(self) -> dict[int, int]:
+        """Device blocks the executed plan writes, each with the first slot written in it."""
+        assert self.executed is not None
+        size = self.scheduler.blocks.block_size
+        first: dict[int, int] = {}
+        for row in self.executed.rows:
+            start, end = row.start, row.start + len(row.token_ids)
+            for i in range(start // size, (end - 1) // size + 1):
+                block = row.block_table[i]
+                first[block] = min(first.get(block, size), max(start - i * size, 0))
+        for _, block in self.executed.swap_in:
+            first[block] = 0
+        return first
+
+    def drop_overwritten(self, seq: Sequence, written: Mapping[int, int]) -> None:
+        """Cut ``seq`` back to before its first block whose computed slots the step may have overwritten."""
+        size = self.scheduler.blocks.block_size
+        for i, block in enumerate(seq.block_table):
+            if block in written and seq.num_computed_tokens > i * size + written[block]:
+                log.warning("a failed step reused this request's KV blocks; it computes them again",
+                            request_id=seq.request_id, from_token=i * size)  # fmt: skip
+                seq.block_table, seq.num_computed_tokens = seq.block_table[:i], i * size
+                return
 
 
 def check_plan(out: SchedulerOutput, blocks: Any, culprit: str) -> tuple[StepPlan, int, int]:

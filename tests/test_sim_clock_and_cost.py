@@ -1,0 +1,191 @@
+"""The simulator's virtual clock never runs backwards, and its cost models price a step as written down here by hand."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import pytest
+
+import cbcore.sim.suite as sim_suite
+from cbcore.bench.generator import generate
+from cbcore.config import EngineConfig
+from cbcore.scheduling.sampling_params import SamplingParams
+from cbcore.scheduling.plan import RowPlan, StepPlan
+from cbcore.scheduling.sequence import Sequence
+from cbcore.sim.executor import VirtualClock
+from cbcore.sim.fitted import FitError, FittedCost
+from cbcore.sim.model_shape import ModelShape
+from cbcore.sim.profile import Identity, Profile, load_profile
+from cbcore.sim.roofline import Hardware, RooflineCost
+from cbcore.sim.shape import StepShape
+
+
+class RecordingClock(VirtualClock):
+    """A virtual clock that keeps every time it is read or moved to."""
+
+    clocks: ClassVar[list[RecordingClock]] = []
+
+    def __init__(self, now: float = 0.0) -> None:
+        super().__init__(now)
+        self.readings = [now]
+        RecordingClock.clocks.append(self)
+
+    def __call__(self) -> float:
+        self.readings.append(self.now)
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        super().advance(seconds)
+        self.readings.append(self.now)
+
+    def wait_until(self, when: float) -> None:
+        super().wait_until(when)
+        self.readings.append(self.now)
+
+
+@pytest.mark.parametrize("replicas", [1, 3])
+def test_the_virtual_clock_never_goes_back_over_a_whole_simulated_run(monkeypatch, replicas):
+    """Arrivals that land while the last step of a busy spell runs wait for its end: time does not go back to them.
+
+    Short requests arriving fast end many busy spells with an arrival inside their last step.
+    """
+    RecordingClock.clocks = []
+    monkeypatch.setattr(sim_suite, "VirtualClock", RecordingClock)
+    profile = load_profile("h200-llama-3-8b")
+    workload = generate("poisson:n=200,rate=100,input_len=128,output_len=2,seed=2", profile.model.vocab_size)
+    ids = [list(r.prompt_token_ids) for r in workload.requests]
+    config = EngineConfig.from_dict({}, ["scheduler.budget.max_num_seqs=8"])
+    result = sim_suite.simulate_suite(profile, workload, ids, [("fcfs", config)], replicas=replicas)
+    assert len(RecordingClock.clocks) == replicas
+    for clock in RecordingClock.clocks:
+        back = [(a, b) for a, b in zip(clock.readings, clock.readings[1:], strict=False) if b < a]
+        assert not back, f"the clock went back {len(back)} times, first from {back[0][0]} to {back[0][1]}"
+    assert result.rows[0]["completed"] == 200
+
+
+def test_advancing_to_an_earlier_time_leaves_the_clock_where_it_is():
+    clock = VirtualClock(5.0)
+    clock.wait_until(3.0)
+    assert clock() == 5.0
+    clock.wait_until(7.5)
+    assert clock() == 7.5
+    with pytest.raises(ValueError, match="cannot go back"):
+        clock.advance(-1.0)
+
+
+# A made-up accelerator and model with round numbers, so that every term below is checkable by hand.
+HW = Hardware(
+    name="round",
+    peak_flops=1e12,
+    mem_bandwidth=1e9,
+    flops_efficiency=0.5,
+    bandwidth_efficiency=0.5,
+    attn_flops_efficiency=0.25,
+    host_bandwidth=1e8,
+    step_overhead_s=1e-6,
+    per_seq_overhead_s=1e-7,
+)
+MODEL = ModelShape(
+    name="round",
+    num_layers=2,
+    hidden_size=8,
+    intermediate_size=16,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=4,
+    vocab_size=32,
+)
+IDENTITY = Identity(hardware="round", model="round", dtype="bfloat16", backend="x", source="roofline")
+
+
+def a_step() -> StepPlan:
+    """A prompt's first 3 of 5 tokens (from 0) and a decode at position 99 (its 100th token)."""
+    prompt = RowPlan([0, 1, 2], 0, [0])  # not its last token: it samples nothing
+    decode = RowPlan([7], 99, list(range(1, 8)), SamplingParams(), decode=True)  # one generated token, fed back
+    return StepPlan([prompt, decode])
+
+
+def test_a_steps_shape_counts_its_tokens_pairs_and_keys():
+    shape = StepShape.of(a_step())
+    # pairs: the prompt's 3 queries see 1 + 2 + 3 keys; the decode's query sees 100
+    assert shape == StepShape(
+        num_seqs=2, prefill_tokens=3, decode_tokens=1, attn_pairs=106, kv_tokens=103, sample_rows=(1,)
+    )
+
+
+def test_the_roofline_prices_a_step_as_computed_by_hand():
+    """bfloat16 (2 bytes), 4 tokens, 1 sampled row, 2 layers; every number below is worked out by hand."""
+    shape = StepShape.of(a_step())
+    flop_s, byte_s = 1e12 * 0.5, 1e9 * 0.5
+    # Per layer, the four products (in x out): qkv 8 x 16 (2 query + 2x1 KV heads of 4), o 8 x 8,
+    # gate+up 8 x 32, down 16 x 8. FLOPs 2 * tokens * in * out; bytes (in*out + tokens*(in+out)) * 2.
+    flops = 2 * 4 * (8 * 16 + 8 * 8 + 8 * 32 + 16 * 8)  # 4,608
+    moved = 2 * ((128 + 4 * 24) + (64 + 4 * 16) + (256 + 4 * 40) + (128 + 4 * 24))  # 1,984
+    linear = 2 * (flops / flop_s + moved / byte_s)
+    # Attention per layer: 4 * pairs * heads * head_dim FLOPs at a quarter of peak, or reading
+    # K and V of every key (2 halves x 1 KV head x 4 x 2 bytes) and the queries in and out
+    # (2 x tokens x 2 heads x 4 x 2 bytes), whichever takes longer: here the reading.
+    kv_bytes = 103 * 2 * 1 * 4 * 2  # 1,648
+    q_bytes = 2 * 4 * 2 * 4 * 2  # 128
+    assert (kv_bytes + q_bytes) / byte_s > 4 * 106 * 2 * 4 / (1e12 * 0.25)
+    attention = 2 * (kv_bytes + q_bytes) / byte_s
+    # Norms, rotary, residuals: 10 passes over the hidden vector and 3 over the MLP's, read and written.
+    elementwise = 2 * (2 * 4 * (10 * 8 + 3 * 16) * 2) / byte_s
+    head = (2 * 1 * 8 * 32) / flop_s + ((8 * 32 + 1 * (8 + 32)) * 2) / byte_s  # one sampled row
+    overhead = 1e-6 + 2 * 1e-7
+    expected = linear + attention + elementwise + head + overhead
+    profile = Profile(identity=IDENTITY, model=MODEL, cost=RooflineCost(hardware=HW))
+    assert profile.step_time(shape, 16) == pytest.approx(expected, rel=1e-12)
+
+
+def test_each_key_read_costs_both_its_k_and_its_v():
+    """One more cached key in a memory-bound step costs K and V of every layer: 2 x 2 layers x 4 dims x 2 bytes."""
+    cost = RooflineCost(hardware=HW)
+    shape = StepShape.of(a_step())
+    one_more = StepShape(
+        num_seqs=2, prefill_tokens=3, decode_tokens=1, attn_pairs=106, kv_tokens=104, sample_rows=(1,)
+    )
+    extra = cost.step_time(one_more, MODEL, 2, 16) - cost.step_time(shape, MODEL, 2, 16)
+    assert extra == pytest.approx(2 * (2 * 1 * 4 * 2) / (1e9 * 0.5), rel=1e-6)
+
+
+def test_swapped_blocks_cost_their_k_and_v_over_the_host_link():
+    cost = RooflineCost(hardware=HW)
+    shape = StepShape.of(a_step())
+    swapping = StepShape(
+        num_seqs=2,
+        prefill_tokens=3,
+        decode_tokens=1,
+        attn_pairs=106,
+        kv_tokens=103,
+        sample_rows=(1,),
+        swap_blocks=3,
+    )
+    extra = cost.step_time(swapping, MODEL, 2, 16) - cost.step_time(shape, MODEL, 2, 16)
+    # 3 blocks x 16 tokens x (K and V x 2 layers x 1 KV head x 4 dims x 2 bytes) over 1e8 bytes/s
+    assert extra == pytest.approx(3 * 16 * (2 * 2 * 1 * 4 * 2) / 1e8, rel=1e-9)
+
+
+def test_the_fitted_model_prices_a_step_as_computed_by_hand():
+    fit = FitError(num_steps=1, mean_abs=0.0, p90_abs=0.0, max_abs=0.0)
+    cost = FittedCost(
+        knots=[1, 8, 32],
+        knot_s=[0.010, 0.024, 0.040],
+        per_attn_pair_s=1e-6,
+        per_kv_token_s=2e-6,
+        per_sample_s=3e-4,
+        per_seq_s=5e-4,
+        fit=fit,
+    )
+    shape = StepShape.of(a_step())
+    # 4 tokens lie 3/7 of the way from the knot at 1 to the knot at 8
+    g = 0.010 + (0.024 - 0.010) * 3 / 7
+    expected = g + 106 * 1e-6 + 103 * 2e-6 + 1 * 3e-4 + 2 * 5e-4
+    profile = Profile(identity=IDENTITY, model=MODEL, cost=cost)
+    assert profile.step_time(shape, 16) == pytest.approx(expected, rel=1e-12)
+    wide = StepShape(
+        num_seqs=1, prefill_tokens=64, decode_tokens=0, attn_pairs=0, kv_tokens=0, sample_rows=()
+    )
+    assert cost.step_time(wide) == pytest.approx(
+        0.040 * 64 / 32 + 5e-4, rel=1e-12
+    )  # past the last knot: in proportion
