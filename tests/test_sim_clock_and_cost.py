@@ -9,9 +9,8 @@ import pytest
 import cbcore.sim.suite as sim_suite
 from cbcore.bench.generator import generate
 from cbcore.config import EngineConfig
-from cbcore.scheduling.sampling_params import SamplingParams
 from cbcore.scheduling.plan import RowPlan, StepPlan
-from cbcore.scheduling.sequence import Sequence
+from cbcore.scheduling.sampling_params import SamplingParams
 from cbcore.sim.executor import VirtualClock
 from cbcore.sim.fitted import FitError, FittedCost
 from cbcore.sim.model_shape import ModelShape
