@@ -1,4 +1,4 @@
-"""What the engine hands back: per-request outputs and their latency metrics, per-step statistics, load."""
+"""What the engine hands back: per-request outputs and their latency metrics, per-step statistics."""
 
 from __future__ import annotations
 
@@ -140,32 +140,6 @@ class StepStats:
     def is_mixed(self) -> bool:
         """Prefill and decode tokens shared this step's forward."""
         return self.num_prefill_tokens > 0 and self.num_decode_tokens > 0
-
-
-@dataclass(frozen=True)
-class EngineLoad:
-    """How busy an engine is right now: what ``/metrics``, routers and benchmarks read.
-
-    A snapshot taken between steps, so it is consistent with itself; counted
-    from the engine's own requests, so it holds for any scheduler.
-    """
-
-    num_waiting: int
-    num_running: int
-    num_swapped: int
-    kv_blocks_used: int
-    kv_blocks_total: int
-    num_preemptions_total: int
-    prefix_cache_queries_tokens: int = 0
-    prefix_cache_hits_tokens: int = 0
-    num_waiting_tokens: int = 0  # prompt (and recompute) tokens the waiting requests still have to prefill
-    num_running_tokens: int = 0  # tokens the running requests hold in the KV cache or are computing
-    recent_step_s: float = 0.0  # mean duration of the last steps (0.0 before the first)
-
-    @property
-    def kv_usage(self) -> float:
-        """Share of the device KV pool in use (0.0 to 1.0)."""
-        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
 
 
 @dataclass

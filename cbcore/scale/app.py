@@ -33,7 +33,7 @@ class ScaleOptions:
     num_cpus_per_replica: float = 1.0
     num_cpus_ingress: float = 0.0  # the ingress mostly waits on replicas; give it a share on a busy node
     threads: int | None = None  # torch threads per replica (None: torch's default)
-    load_interval_s: float = 0.5  # how often each replica's Engine.load() reaches the router
+    load_interval_s: float = 0.5  # how often each replica's engine_load() reaches the router
     max_ongoing_requests: int = 1024  # per replica; the engine's own queue (serve.max_waiting) is the limit
     health_check_period_s: float = 2.0
     health_check_timeout_s: float = 30.0

@@ -24,8 +24,9 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 
 from cbcore.log import get_logger
-from cbcore.outputs import EngineLoad, RequestOutput
+from cbcore.outputs import RequestOutput
 from cbcore.scale.replica import Batch
+from cbcore.scale.router import EngineLoad
 from cbcore.serve.engine_loop import Accepted, Failed, Handle, Observer, Submission
 from cbcore.serve.errors import ApiError
 

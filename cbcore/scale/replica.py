@@ -19,7 +19,8 @@ from typing import Any
 
 from cbcore.config import EngineConfig
 from cbcore.log import get_logger
-from cbcore.outputs import EngineLoad, RequestOutput
+from cbcore.outputs import RequestOutput
+from cbcore.scale.router import EngineLoad
 from cbcore.serve.engine_loop import EngineLoop, Event, Failed, Submission
 
 log = get_logger(__name__)

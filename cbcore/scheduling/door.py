@@ -19,7 +19,9 @@ raises alone (an ``on_step_end`` asked again may see some results twice).
 Everything a policy raises is the policy's, ``SystemExit`` and
 ``KeyboardInterrupt`` included, except a Ctrl-C the process received
 (:func:`interrupted`), which stays a shutdown, and a ``MemoryError``, which
-stops the engine. Policies get read-only views
+stops the engine. An application tells a Ctrl-C apart by setting
+:data:`CTRL_C` in its SIGINT handler; without one, a KeyboardInterrupt on the
+main thread is taken for a Ctrl-C and one on any other thread for the plugin's. Policies get read-only views
 (``seq.view``, ``blocks.view``), never the engine's objects.
 """
 
@@ -49,7 +51,8 @@ from cbcore.scheduling.sequence import Sequence
 
 log = get_logger(__name__)
 _stored_key = attrgetter("queue_key")
-_ctrl_c = threading.Event()
+#: Set by the application's Ctrl-C handler (``cb``: :func:`cbcore.cli.main.opt_in_process_settings`).
+CTRL_C = threading.Event()
 
 SLOTS = ("queue", "budget", "prefill", "preemption")
 EVENTS = ("on_arrival", "on_step_end", "on_finish")
@@ -86,26 +89,11 @@ def describe(plugin: object, origin: str | None = None) -> str:
     return f"{label} {getattr(plugin, 'name', type(plugin).__name__)!r}" + (f" ({origin})" if origin else "")
 
 
-def mark_interrupts() -> None:
-    """Make Ctrl-C tell itself apart from a policy raising KeyboardInterrupt (call on the main thread).
-
-    The applications (the ``cb`` commands) call this; without it, a
-    KeyboardInterrupt on the main thread is taken for a Ctrl-C and one on any
-    other thread for the policy's.
-    """
-
-    def on_ctrl_c(signum: int, frame: object) -> None:
-        _ctrl_c.set()
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGINT, on_ctrl_c)
-
-
 def interrupted() -> bool:
     """Whether a KeyboardInterrupt raised now is a Ctrl-C the process received: a shutdown, nobody's fault."""
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
         return threading.current_thread() is threading.main_thread()
-    return _ctrl_c.is_set()
+    return CTRL_C.is_set()
 
 
 def raise_named(name: str, method: str, request_id: str | None, exc: BaseException) -> NoReturn:
@@ -325,51 +313,26 @@ class GuardedScheduler:
 
     It is one plugin, so an exception out of any of its methods is its own:
     about the request being added or aborted, else about no single request.
+    Anything else the plugin offers (its own queues, for a test) reads through.
     """
 
     def __init__(self, plugin: Any, name: str) -> None:
         self.plugin, self.name, self.blocks = plugin, name, plugin.blocks
         self.names = {id(plugin): name}
 
-    def __getattr__(self, attr: str) -> Any:  # anything else the plugin offers (its queues, for a test)
-        return getattr(self.plugin, attr)
+    def __getattr__(self, attr: str) -> Any:
+        value = getattr(self.plugin, attr)
+        if attr not in ("add", "abort", "schedule", "on_step_end", "has_unfinished", "snapshot"):
+            return value
 
-    def add(self, seq: Sequence) -> None:
-        try:
-            self.plugin.add(seq)
-        except BaseException as exc:
-            raise_named(self.name, "add", seq.request_id, exc)
+        def guarded(*args: Any) -> Any:
+            try:
+                return value(*args)
+            except BaseException as exc:
+                about = args[0] if attr in ("add", "abort") else None
+                raise_named(self.name, attr, getattr(about, "request_id", about), exc)
 
-    def abort(self, request_id: str) -> Sequence | None:
-        try:
-            return self.plugin.abort(request_id)
-        except BaseException as exc:
-            raise_named(self.name, "abort", request_id, exc)
-
-    def schedule(self) -> Any:
-        try:
-            return self.plugin.schedule()
-        except BaseException as exc:
-            raise_named(self.name, "schedule", None, exc)
-
-    def on_step_end(self, out: Any, results: Seq[StepResult]) -> list[PolicyError]:
-        try:
-            self.plugin.on_step_end(out, results)
-        except BaseException as exc:
-            raise_named(self.name, "on_step_end", None, exc)
-        return []
-
-    def has_unfinished(self) -> bool:
-        try:
-            return bool(self.plugin.has_unfinished())
-        except BaseException as exc:
-            raise_named(self.name, "has_unfinished", None, exc)
-
-    def snapshot(self) -> Any:
-        try:
-            return self.plugin.snapshot()
-        except BaseException as exc:
-            raise_named(self.name, "snapshot", None, exc)
+        return guarded
 
 
 def _not_a_permutation(ordered: object, given: Seq[Any]) -> str:

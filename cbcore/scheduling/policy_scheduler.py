@@ -170,8 +170,9 @@ class PolicyScheduler:
                 blocks.free(seq)
                 self._by_id.pop(seq.request_id, None)
         failures = self.door.step_ended(results, now) if self.door.hearing["on_step_end"] else []
-        for seq in ended:
-            failures += self.door.finished(seq, now)
+        if self.door.hearing["on_finish"]:
+            for seq in ended:
+                failures += self.door.finished(seq, now)
         return failures
 
     # -- one step ------------------------------------------------------------
@@ -180,12 +181,11 @@ class PolicyScheduler:
         self.step_index += 1
         now = self._now = self.clock()
         self._ordered = None
-        door = self.door
         self._state = state = SchedulerState(
             now, self.step_index, LazyViews(self._waiting_order), tuple(s.view for s in self.running),
             tuple(s.view for s in self.swapped), self.blocks.view,
         )  # fmt: skip
-        limits = door.limits(state)
+        limits = self.door.limits(state)
         self._max_seqs = limits.max_num_seqs
         self._tokens_left, self._seqs_left = limits.max_num_tokens, limits.max_num_seqs
         self._out = SchedulerOutput(limits=limits)

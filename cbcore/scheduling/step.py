@@ -57,6 +57,9 @@ class Steps:
     spent: int = 0  # tokens computed since a token was last sampled
     idle: int = 0  # steps in a row that computed nothing
 
+    def __post_init__(self) -> None:
+        self.window = WINDOW_CAPACITIES * self.scheduler.blocks.capacity_tokens  # the livelock bound, in tokens
+
     def observe(
         self, out: SchedulerOutput, computed: int, sampled: int, waiting: Callable[[], str] = lambda: "work"
     ) -> None:
@@ -74,7 +77,7 @@ class Steps:
             return
         self.idle = 0
         self.spent = 0 if sampled else self.spent + computed
-        if self.spent > WINDOW_CAPACITIES * self.scheduler.blocks.capacity_tokens:
+        if self.spent > self.window:
             raise SchedulerStall(
                 f"{self.culprit} computed {self.spent} tokens without sampling one (more than {WINDOW_CAPACITIES}x "
                 "the KV cache's capacity): preemptions keep throwing work away, a livelock",
@@ -108,10 +111,12 @@ class StepTransaction:
                 self.idle.append(s)
         self.blocks_point = sched.blocks.undo_point()
         self.restore_own = sched.snapshot()
+        # The scheduler's answer, and its checked plan (from then on the executor may write KV).
         self.out: SchedulerOutput | None = None
-        self.executed: StepPlan | None = None  # the checked plan: from then on the executor may write KV
-        self.rng: list[tuple[Any, Any]] = []  # (generator, state before sampling)
-        self.appended: list[tuple[Sequence, bool]] = []  # (seq, whether it had a first token before)
+        self.executed: StepPlan | None = None
+        # (generator, state before sampling); (seq, whether it had a first token before the step)
+        self.rng: list[tuple[Any, Any]] = []
+        self.appended: list[tuple[Sequence, bool]] = []
 
     def check(self, out: SchedulerOutput) -> StepPlan:
         """Check the scheduler's answer and turn it into the runner's plan; save the RNG of the rows that sample."""
@@ -129,9 +134,7 @@ class StepTransaction:
         whose sampling failed (they alone end with an error), and the step's
         results for the policies (the preempted included).
         """
-        out = self.out
-        assert out is not None
-        now = self.steps.clock()
+        out, now = self.out, self.steps.clock()
         finish = self.steps.finish_rule
         new_token: dict[Sequence, int] = {}
         failed: list[Sequence] = []

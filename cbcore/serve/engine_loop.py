@@ -22,7 +22,8 @@ from typing import Any
 
 from cbcore.engine import Engine, RequestError
 from cbcore.log import get_logger
-from cbcore.outputs import EngineLoad, RequestOutput
+from cbcore.outputs import RequestOutput
+from cbcore.scale.router import EngineLoad, engine_load
 from cbcore.scheduling.request import RequestFields
 from cbcore.scheduling.sampling_params import SamplingParams
 
@@ -112,7 +113,7 @@ class EngineLoop:
         self._stopping = False
         self._deadline: float | None = None  # past this, draining aborts what is left
         self.draining = False
-        self.load: EngineLoad = engine.load()
+        self.load: EngineLoad = engine_load(engine)
 
     # -- event-loop side ---------------------------------------------------------
 
@@ -200,7 +201,7 @@ class EngineLoop:
         self._fail_all("the server is shutting down", 503)
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
-        load = self.engine.load()
+        load = engine_load(self.engine)
         if not outputs and load == self.load:
             return
         self.load = load

@@ -33,7 +33,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from cbcore.bench.classes import deadline_met
 from cbcore.config import SLOTS, EngineConfig
 from cbcore.engine import StepRecord
-from cbcore.outputs import EngineLoad, RequestOutput
+from cbcore.outputs import RequestOutput
+from cbcore.scale.router import EngineLoad
 
 PREFIX = "cbcore:"
 LATENCY_BUCKETS = (

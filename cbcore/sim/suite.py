@@ -18,6 +18,7 @@ from cbcore.bench.suite import BenchResult, Row, budget_limit, prompt_token_ids,
 from cbcore.bench.workload import Workload, WorkloadError
 from cbcore.config import EngineConfig
 from cbcore.plugins import get_registry
+from cbcore.scale.router import engine_load
 from cbcore.sim.executor import sim_engine
 from cbcore.sim.profile import Profile
 from cbcore.sim.routing import RouterPlacement
@@ -86,13 +87,13 @@ def _simulate(
     run.info = {
         "scheduler": config.scheduler.model_dump(exclude_defaults=True) or "default",
         "max_num_seqs": budget_limit(config, "max_num_seqs"),
-        "kv_blocks": engines[0].load().kv_blocks_total,
+        "kv_blocks": engine_load(engines[0]).kv_blocks_total,
         "extrapolated_steps": (wide := sum(e.executor.extrapolated_steps for e in engines)),
     }
     if wide:
         run.info["notes"] = [
-            f"{wide} of {len(run.steps)} steps were wider than the profile's measured tables and were "
-            "priced in proportion to their tokens (the profile says where its tables end)"
+            f"{wide} of {len(run.steps)} steps were wider than the profile's measured tables "
+            f"({profile.describe().get('exact_up_to_tokens')} tokens) and were priced in proportion to their tokens"
         ]
     if placement is not None:
         run.info |= {
