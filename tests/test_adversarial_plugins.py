@@ -17,16 +17,16 @@ import functools
 from pathlib import Path
 
 import pytest
-from adversarial_plugins import Faults
-from conftest import PROMPTS
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from support import PROMPTS
+from support.adversarial_plugins import Faults
 
 from cbcore import Engine, EngineConfig, SamplingParams, SchedulerError
 from cbcore.testing import assert_equivalent, compare_greedy, reference_generate, tiny_model
 from cbcore.testing.block_invariants import check_blocks
 
-HERE = str(Path(__file__).with_name("adversarial_plugins.py"))
+HERE = str(Path(__file__).parent / "support" / "adversarial_plugins.py")
 MAX_STEPS = 150
 POOL = [PROMPTS[i][:12] for i in range(8)]  # prompts of up to 12 tokens
 

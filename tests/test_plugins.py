@@ -421,7 +421,7 @@ def test_docs_tutorial_plugin_works(tmp_path: Path, models: dict, references: di
             "backend": EAGER,
         }
     )
-    from conftest import CAPS, PROMPTS
+    from support import CAPS, PROMPTS
 
     model = models["llama"]
     engine = Engine(model, None, config)

@@ -8,8 +8,8 @@ a user's plugin file would be; each can be switched to behave again
 from __future__ import annotations
 
 import pytest
-from conftest import CAPS, PROMPTS
 from pydantic import ValidationError
+from support import CAPS, PROMPTS
 
 from cbcore import (
     Engine,
