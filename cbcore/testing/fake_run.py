@@ -76,13 +76,14 @@ class FakeRun:
         num_blocks: int = 256,
         block_size: int = 4,
         host_blocks: int = 0,
+        prefix_caching: bool = False,
         kv: bool = False,
         dt: float = 1.0,
         order: str = "decode-first",
     ) -> None:
         self.now = 0.0
         self.dt = dt
-        self.blocks = BlockManager(num_blocks, block_size, host_blocks)
+        self.blocks = BlockManager(num_blocks, block_size, host_blocks, prefix_caching=prefix_caching)
         door = Door(queue or FCFS(), budget or TokenBudget(), prefill or ChunkedPrefill(), preemption or Recompute())
         self.sched = PolicyScheduler(door, self.blocks, clock=lambda: self.now, order=order)
         self.rules = Steps(self.sched, door.culprit, lambda: self.now)
