@@ -21,12 +21,6 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 torch.set_num_threads(1)
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests marked ``starts_early`` first: they start processes that later tests wait on (vLLM's, whose tests
-    come last), so that those start-ups overlap the suite instead of holding it up."""
-    items.sort(key=lambda item: item.get_closest_marker("starts_early") is None)  # stable: the rest keep their order
-
-
 @pytest.fixture(scope="session")
 def models() -> dict[str, torch.nn.Module]:
     """Tiny random model per family (``models["llama"]``), shared by the session."""

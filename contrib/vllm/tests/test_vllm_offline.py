@@ -14,14 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_helpers import (  # noqa: F401  (tiny_dir is a fixture)
-    PLUGIN,
-    Started,
-    driver_results,
-    start_driver,
-    start_servers_early,
-    tiny_dir,
-)
+from vllm_helpers import PLUGIN, STARTED_EARLY, Started, driver_results
 from vllm_trace import run_cbcore, trace
 
 # Every test here starts vLLM (from .venv-vllm, `make vllm-setup`); they run in CI.
@@ -229,37 +222,18 @@ def preemption_config(log: Path) -> dict[str, Any]:
     }
 
 
-_DRIVER: dict[str, Any] = {}  # the session's one driver, and its directory
-
-
-def started_driver(
-    tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
-) -> tuple[Started, Path]:
-    """The driver of every scenario, started on the first call (with the servers, if their tests are selected)."""
-    if not _DRIVER:
-        work = tmp_path_factory.mktemp("vllm-offline")
-        driver = start_driver(scenarios(tiny_dir, work), work)
-        request.session.addfinalizer(lambda: driver.proc.poll() is None and driver.proc.kill())  # a run cut short
-        _DRIVER.update(driver=driver, work=work)
-        start_servers_early(request)  # the servers' start-ups share the cores with the driver's
-    return _DRIVER["driver"], _DRIVER["work"]
-
-
-@pytest.mark.starts_early
-def test_vllm_starts_in_the_background_while_the_suite_runs(
-    tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
-) -> None:
-    """Runs first (tests/conftest.py): vLLM's start-ups, over a minute of one core's work, then overlap the rest
-    of the suite, which mostly runs on one thread, and the tests below read the results when their turn comes."""
-    driver, _ = started_driver(tiny_dir, tmp_path_factory, request)
-    assert driver.proc.poll() in (None, 0), driver.log_tail()
+def test_the_driver_starts_with_the_session_and_runs_every_scenario(vllm_driver: tuple[Started, Path], runs: Any) -> None:
+    """vllm_driver is started at the session's first test (vllm_helpers.vllm_starts_early), so that vLLM's
+    start-up, over a minute of one core's work, overlaps the rest of the suite; the tests below read its results."""
+    driver, work = vllm_driver
+    assert "vllm_driver" in STARTED_EARLY
+    assert driver.proc.returncode == 0, driver.log_tail()
+    assert sorted(runs[0]) == sorted(s["name"] for s in scenarios(Path("model"), work))
 
 
 @pytest.fixture(scope="module")
-def runs(
-    tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
-) -> tuple[dict[str, dict[str, Any]], Path]:
-    driver, work = started_driver(tiny_dir, tmp_path_factory, request)
+def runs(vllm_driver: tuple[Started, Path]) -> tuple[dict[str, dict[str, Any]], Path]:
+    driver, work = vllm_driver
     return driver_results(driver, work), work
 
 

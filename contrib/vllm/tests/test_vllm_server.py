@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 from vllm_helpers import SERVER_SCHED as SCHED
-from vllm_helpers import stop_servers, tiny_dir, vllm_servers, wait_healthy  # noqa: F401  (tiny_dir is a fixture)
+from vllm_helpers import STARTED_EARLY, stop_servers, wait_healthy
 
 # Every test here starts vLLM (from .venv-vllm, `make vllm-setup`); they run in CI.
 pytestmark = pytest.mark.vllm
@@ -33,9 +33,12 @@ def default_dir() -> Path:
 
 
 @pytest.fixture(scope="module")
-def adapter_servers(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
-    yield vllm_servers(request)  # started already if the offline tests ran first
-    stop_servers()
+def adapter_servers(vllm_servers: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """The session's two servers (started with the session, vllm_helpers.vllm_starts_early), stopped when
+    this module is done, so that they hold no memory while the rest of the suite runs."""
+    assert "vllm_servers" in STARTED_EARLY
+    yield vllm_servers
+    stop_servers(vllm_servers)
 
 
 @pytest.fixture(scope="module")
