@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import json
 import re
 from pathlib import Path
 
@@ -205,3 +206,14 @@ def test_no_source_file_is_longer_than_400_lines() -> None:
     assert not too_long, f"split these into files of one concept each: {too_long}"
     fixed = {path for path in OVER_THE_LIMIT if lengths.get(path, 0) <= MAX_LINES}
     assert not fixed, f"{sorted(fixed)} no longer over {MAX_LINES} lines (or gone): remove them from OVER_THE_LIMIT"
+
+
+def test_the_results_file_names_what_each_run_measured_where_and_how() -> None:
+    """docs/results/benchmarks.json keeps the run history the docs left: each record a run with its figures."""
+    runs = json.loads((ROOT / "docs" / "results" / "benchmarks.json").read_text())["runs"]
+    assert runs
+    for run in runs:
+        assert run["study"] and run["machine"] and run["command"], run["study"]
+        assert run["rows"] and all(isinstance(row, dict) and row for row in run["rows"]), run["study"]
+    dated = [run for run in runs if run["date"]]
+    assert all(run["commit"] for run in dated)
