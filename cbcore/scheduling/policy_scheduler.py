@@ -43,8 +43,7 @@ swapped*. The rules, in the order they apply:
    evicting all of them would make room: an eviction that cannot admit it
    only destroys work. A sequence alone in the cache and still too big ends
    with an error, and admission goes on behind it.
-4. Every swap-out is planned before any swap-in: the runner copies out
-   first, so a swap-in may reuse a block a swap-out of the same step freed.
+4. Every swap-out is planned before any swap-in (the runner copies out first).
 5. A sequence's first admission time is stamped once; preemptions keep it.
 
 **Events** reach the policies only after a step has committed (never while it
@@ -59,6 +58,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
+from functools import cached_property
 from typing import Any, Literal
 
 from cbcore.config import SLOTS, EngineConfig
@@ -79,13 +79,11 @@ class LazyViews(Seq[Any]):
     """The waiting queue's views in queue order, ordered on first read: most steps never read it."""
 
     def __init__(self, order: Callable[[], list[Sequence]]) -> None:
-        self._order, self._items = order, None
+        self._order = order
 
-    @property
+    @cached_property
     def items(self) -> tuple[Any, ...]:
-        if self._items is None:
-            self._items = tuple(s.view for s in self._order())
-        return self._items
+        return tuple(s.view for s in self._order())
 
     def __getitem__(self, index: Any) -> Any:
         return self.items[index]
@@ -360,11 +358,9 @@ class PolicyScheduler:
     def _fail(self, seq: Sequence, tokens: int) -> None:
         """End ``seq`` with an error: ``tokens`` tokens of it need more KV blocks than the whole cache has."""
         blocks = self.blocks
-        message = (
-            f"request {seq.request_id!r} needs {blocks.blocks_for_tokens(tokens)} KV blocks for {tokens}"
-            f" tokens but the cache has {blocks.num_blocks} blocks of {blocks.block_size}; raise"
-            " kv_cache.num_blocks or lower max_new_tokens"
-        )
+        message = (f"request {seq.request_id!r} needs {blocks.blocks_for_tokens(tokens)} KV blocks for {tokens} tokens "
+                   f"but the cache has {blocks.num_blocks} blocks of {blocks.block_size}; raise kv_cache.num_blocks "
+                   "or lower max_new_tokens")  # fmt: skip
         self._remove(seq)
         seq.finish(FinishReason.ERROR, self._now, message)
         self._out.failed.append(seq)
@@ -380,13 +376,10 @@ class PolicyScheduler:
             self.blocks.drop_host(seq)
         elif seq.status is WAITING:
             self.waiting.remove(seq)
-            if seq.block_table:
-                self.blocks.free(seq)
+            self.blocks.free(seq)  # nothing, or the cached prefix it mapped
 
 
-def build_scheduler(
-    config: EngineConfig, num_blocks: int, clock: Callable[[], float]
-) -> tuple[Scheduler, dict[int, str]]:
+def build_scheduler(config: EngineConfig, num_blocks: int, clock: Callable[[], float]) -> tuple[Scheduler, dict[int, str]]:
     """The configured scheduler over a fresh :class:`BlockManager`, and its plugins' names (for errors)."""
     registry = get_registry(tuple(config.plugins))
     sched, kv = config.scheduler, config.kv_cache
