@@ -30,6 +30,12 @@ from cbcore.scheduling.scheduler import SchedulerError
 from cbcore.scheduling.step import named
 from cbcore.scheduling.step_planner import OrderedOnDemand
 
+# The decision check (cbcore_vllm.check): cbcore's engine, config files and workloads.
+from cbcore.engine import Engine  # isort: skip
+from cbcore.config import read_config_file  # isort: skip
+from cbcore.bench.sources import load_workload  # isort: skip
+from cbcore.bench.workload import WorkloadError  # isort: skip
+
 # The built-in prefill policies the adapter translates into vLLM's own knobs.
 from cbcore.policies.chunked_prefill import ChunkedPrefill  # isort: skip
 from cbcore.policies.whole_prompt import WholePrompt  # isort: skip
@@ -40,6 +46,7 @@ __all__ = [
     "BudgetPolicy",
     "ChunkedPrefill",
     "ConfigError",
+    "Engine",
     "EngineConfig",
     "OrderedOnDemand",
     "PluginError",
@@ -56,8 +63,11 @@ __all__ = [
     "StepLimits",
     "StepResult",
     "WholePrompt",
+    "WorkloadError",
     "field_problems",
     "format_validation_error",
     "get_registry",
+    "load_workload",
     "named",
+    "read_config_file",
 ]

@@ -50,13 +50,14 @@ class LongestPromptFirst(QueuePolicy):
         )
 
     def on_step_end(self, results: Seq[StepResult], now):
-        _write(self.params.log, event="step_end", rows=[[r.seq.request_id, r.num_computed, r.new_token] for r in results])
+        rows = [[r.seq.request_id, r.num_computed, r.new_token] for r in results]
+        _write(self.params.log, event="step_end", now=now, rows=rows)
 
     def on_preempt(self, seq, now):
         _write(self.params.log, event="preempt", id=seq.request_id)
 
     def on_finish(self, seq, now):
-        _write(self.params.log, event="finish", id=seq.request_id, num_output_tokens=seq.num_output_tokens)
+        _write(self.params.log, event="finish", now=now, id=seq.request_id, num_output_tokens=seq.num_output_tokens)
 
 
 class EvictLongestPrompt(PreemptionPolicy):
