@@ -81,7 +81,7 @@ test: setup vllm-setup vllm-sched-setup
 # vLLM's real Scheduler/AsyncScheduler with the adapter, driven with fake model outputs,
 # on every version: the CPU build's and each official wheel's.
 test-vllm-sched: vllm-setup vllm-sched-setup
-	for pair in 0.32.0:$(VLLM_VENV) $(foreach v,$(VLLM_SCHED_VERSIONS),$(v).0:.venv-vllm-$(v)); do \
+	@for pair in 0.32.0:$(VLLM_VENV) $(foreach v,$(VLLM_SCHED_VERSIONS),$(v).0:.venv-vllm-$(v)); do \
 		echo "===== scheduler-level tests: vLLM $${pair%%:*} ($${pair#*:}) ====="; \
 		CBCORE_VLLM_EXPECT=$${pair%%:*} $${pair#*:}/bin/python -m pytest -v -p no:cacheprovider $(VLLM_SCHED_TESTS) || exit 1; \
 	done

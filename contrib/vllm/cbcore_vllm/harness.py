@@ -81,7 +81,7 @@ def build_scheduler(
     block_size: int = 32,
     max_model_len: int = 256,
     async_scheduling: bool = False,
-    scheduler_cls: str = "cbcore_vllm.Scheduler",
+    scheduler_cls: str | None = "cbcore_vllm.Scheduler",
 ) -> Any:
     """The scheduler class vLLM would build for these flags; ``num_blocks`` usable KV blocks (plus vLLM's null one)."""
     model = ModelConfig(model=str(model_dir()), skip_tokenizer_init=True, dtype="float32", max_model_len=max_model_len)

@@ -41,7 +41,7 @@ from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 
-from cbcore_vllm._cbcore import ConfigError, OrderedOnDemand, SchedulerState, StepResult
+from cbcore_vllm._cbcore import ConfigError, OrderedOnDemand, Policy, SchedulerState, StepResult
 from cbcore_vllm.config import StepClock, parse
 from cbcore_vllm.fields import RequestFieldError
 from cbcore_vllm.guard import Guard
@@ -74,6 +74,8 @@ class Scheduler(AsyncScheduler):
         super().__init__(vllm_config, *args, **kwargs)
 
         self._guard = Guard(self._policies.names)
+        # Results are built for on_step_end only when a policy listens (the base class's is a no-op).
+        self._hears_step_end = any(type(p).on_step_end is not Policy.on_step_end for p in self._policies)
         self._queues = self._vllm.install(self, self._order_requests)
         self._clock_step_s = adapter.clock.step_s if isinstance(adapter.clock, StepClock) else None
         self._step = 0
@@ -119,7 +121,7 @@ class Scheduler(AsyncScheduler):
             views = [self._views[r.request_id] for r in candidates]
             victim = self._guard.call(self._policies.victim, views, self._now).request
         if self.tracer is not None:
-            self.tracer.victim(self._step, victim.request_id, asker=candidates[0].request_id)
+            self.tracer.victim(self._step, victim.request_id, candidates[0].request_id, len(candidates) - 1)
         return victim
 
     # -- one step ------------------------------------------------------------
@@ -154,11 +156,12 @@ class Scheduler(AsyncScheduler):
         if self.tracer is not None:
             self.tracer.planning(self, self._step, limits, clamped)
         self._guard.call(self._policies.prefill.begin_step)
-        in_order = self._order_requests(list(running))
-        decodes = [r for r in in_order if not views[r.request_id].is_prefilling]
-        prefills = [r for r in in_order if views[r.request_id].is_prefilling]
-        self.running = VictimList(decodes + prefills, self._choose_victim)
-        was_waiting = {r for q in self._queues for r in q}
+        decodes: list[Request] = []
+        prefills: list[Request] = []
+        for r in self._order_requests(list(running)):  # RequestView.is_prefilling, inlined (once per request)
+            (prefills if r.num_tokens + r.num_output_placeholders - r.num_computed_tokens > 1 else decodes).append(r)
+        self.running = self._vllm.victim_list(decodes + prefills, self._choose_victim)
+        was_waiting = [r for q in self._queues for r in q.members()]
         for queue in self._queues:
             queue.begin_step(self._admits)
         try:
@@ -168,10 +171,10 @@ class Scheduler(AsyncScheduler):
                 queue.end_step()
             if isinstance(self.running, VictimList):
                 self.running.settle()
-        for rid, n in out.num_scheduled_tokens.items():
-            request = self.requests[rid]
-            if request in was_waiting:  # admitted: what its cache lookup found is now behind num_computed
-                views[rid].num_cached_prompt_tokens = request.num_computed_tokens - n
+        scheduled = out.num_scheduled_tokens
+        for request in was_waiting:  # admitted: what its cache lookup found is now behind num_computed
+            if (n := scheduled.get(request.request_id)) is not None:
+                views[request.request_id].num_cached_prompt_tokens = request.num_computed_tokens - n
         if self.tracer is not None:
             self.tracer.scheduled(self._step, out)
         return out
@@ -180,8 +183,6 @@ class Scheduler(AsyncScheduler):
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> dict[int, EngineCoreOutputs]:
         scheduled = scheduler_output.num_scheduled_tokens
-        requests = self.requests
-        before = {rid: r.num_output_tokens for rid in scheduled if (r := requests.get(rid)) is not None}
         self._refusals.hand_to(self)
         self._finished_in_update = {}
         try:
@@ -189,19 +190,24 @@ class Scheduler(AsyncScheduler):
             finished = self._finished_in_update
         finally:
             self._finished_in_update = None
+        if self._hears_step_end:
+            self._guard.call(self._policies.step_ended, self._results(scheduled, outputs, finished), self._now)
+        for view in finished.values():
+            self._tell_finish(view)
+        return outputs
+
+    def _results(
+        self, scheduled: dict[str, int], outputs: dict[int, EngineCoreOutputs], finished: dict[str, RequestView]
+    ) -> list[StepResult]:
+        """A StepResult per request of the step, with the token it sampled (from vLLM's outputs of the step)."""
+        sampled = {o.request_id: o.new_token_ids[-1] for eco in outputs.values() for o in eco.outputs if o.new_token_ids}
         results: list[StepResult] = []
         views = self._views
         for rid, n in scheduled.items():
             view = views.get(rid) or finished.get(rid)
-            if view is None:  # finished in an earlier update (async: it was in this step's plan already)
-                continue
-            request = view.request
-            grew = request.num_output_tokens > before.get(rid, request.num_output_tokens)
-            results.append(StepResult(seq=view, num_computed=n, new_token=request.output_token_ids[-1] if grew else None))
-        self._guard.call(self._policies.step_ended, results, self._now)
-        for view in finished.values():
-            self._tell_finish(view)
-        return outputs
+            if view is not None:  # None: finished in an earlier update (async: already in this step's plan)
+                results.append(StepResult(seq=view, num_computed=n, new_token=sampled.get(rid)))
+        return results
 
     # -- events --------------------------------------------------------------
 

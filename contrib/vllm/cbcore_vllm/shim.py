@@ -8,10 +8,10 @@ vLLM's insides is read or set here:
 
 * the waiting queues it replaces with policy-ordered ones (``waiting``,
   ``kv_holding_waiting``; 0.34 adds ``async_kv_waiting``);
-* the victim path it keeps vLLM on, and how that path reads ``running``
-  (``running.VictimList`` answers both);
+* the victim path it keeps vLLM on, and the list class that answers that
+  path's reads of ``running`` (``running.py``);
 * ``kv_cache_manager.allocate_slots``, wrapped to note which running request
-  asks for room (the victim's candidates start there);
+  could not get room (the victim's candidates start there);
 * the per-step limits (``max_num_scheduled_tokens``, ``max_num_active_reqs``);
 * the per-request error path: the ids ``update_from_output`` finishes with
   ``FINISHED_ERROR`` (``grammar_compile_error_reqs``), which from 0.33 on also
@@ -41,7 +41,7 @@ from vllm.v1.request import Request, RequestStatus
 from cbcore_vllm._cbcore import ConfigError
 from cbcore_vllm.config import TESTED_VLLM
 from cbcore_vllm.queue import PolicyRequestQueue
-from cbcore_vllm.running import VictimList
+from cbcore_vllm.running import FcfsVictims, PriorityVictims, VictimList
 
 log = structlog.get_logger(__name__)
 
@@ -57,6 +57,7 @@ class V0_32:
 
     queue_attrs: tuple[str, ...] = ("waiting", "kv_holding_waiting")
     victim_path = SchedulingPolicy.FCFS
+    victim_list: type[VictimList] = FcfsVictims
 
     def install(self, scheduler: Any, order: Callable[[list[Request]], list[Request]]) -> list[PolicyRequestQueue]:
         """Policy-ordered waiting queues, vLLM kept on the victim path VictimList answers, asks noted."""
@@ -69,16 +70,17 @@ class V0_32:
         allocate = scheduler.kv_cache_manager.allocate_slots
 
         def allocate_slots(request: Request, *args: Any, **kwargs: Any) -> Any:
-            running = scheduler.running
-            asking = request.status == RequestStatus.RUNNING and isinstance(running, VictimList)
-            if asking:
-                running.asks(request)
             blocks = allocate(request, *args, **kwargs)
-            if blocks is not None:
-                if asking:
-                    running.answered()
-            elif not asking and scheduler.tracer is not None:  # an admission the KV cache refused
-                scheduler.tracer.admission_refused(scheduler, request, args[0] if args else kwargs["num_new_tokens"], kwargs)
+            if blocks is None:
+                running = scheduler.running
+                if request.status == RequestStatus.RUNNING and isinstance(running, VictimList):
+                    # vLLM reads a victim next, unless a KV connector's pending frees make it give up first.
+                    connector = scheduler.connector
+                    if connector is None or not connector.has_pending_block_frees():
+                        running.asks(request)
+                elif scheduler.tracer is not None:  # an admission the KV cache refused
+                    num_new_tokens = args[0] if args else kwargs["num_new_tokens"]
+                    scheduler.tracer.admission_refused(scheduler, request, num_new_tokens, kwargs)
             return blocks
 
         scheduler.kv_cache_manager.allocate_slots = allocate_slots
@@ -135,6 +137,7 @@ class V0_33(V0_32):
     """
 
     victim_path = SchedulingPolicy.PRIORITY
+    victim_list = PriorityVictims
 
     def finish_with_error(self, scheduler: Any, request_id: str, code: str, message: str) -> None:
         scheduler.grammar_compile_error_reqs[request_id] = RequestError(code=code, message=message)

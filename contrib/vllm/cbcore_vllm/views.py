@@ -62,13 +62,20 @@ class RequestView:
         "client_id",
         "deadline_s",
         "num_cached_prompt_tokens",
+        "num_prompt_tokens",
         "params",
         "policy_state",
+        "priority",
         "request",
+        "request_id",
     )
 
     def __init__(self, request: Request, arrival_time: float, kv: KVCacheManager, internals: V0_32) -> None:
         self.request = request
+        # What never changes is copied once: policies read these in every order() and key().
+        self.request_id: str = request.request_id
+        self.priority: int = request.priority
+        self.num_prompt_tokens: int = request.num_prompt_tokens
         self._blocks = partial(internals.block_ids, kv, request.request_id)
         self.arrival_time = arrival_time  # the adapter's clock, the one `now` is read from
         self.client_id, self.deadline_s, self.attrs = policy_fields(request.sampling_params)
@@ -80,20 +87,8 @@ class RequestView:
         return f"RequestView({self.request_id!r})"
 
     @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    @property
-    def priority(self) -> int:
-        return self.request.priority
-
-    @property
     def deadline(self) -> float | None:
         return None if self.deadline_s is None else self.arrival_time + self.deadline_s
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return self.request.num_prompt_tokens
 
     @property
     def num_tokens(self) -> int:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -58,8 +59,20 @@ def main(argv: list[str] | None = None) -> int:
     return run(setup, args.json)
 
 
+def quiet_logs() -> None:
+    """The report alone on stdout: vLLM's log (errors only unless VLLM_LOGGING_LEVEL says otherwise) and
+    cbcore's go to stderr."""
+    import structlog
+
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    structlog.configure(logger_factory=lambda *_: structlog.PrintLogger(sys.stderr))  # the stderr of the moment
+
+
 def run(setup: Setup, json_out: str | None = None) -> int:
     from cbcore_vllm.check.cbcore_side import run_cbcore
+
+    quiet_logs()
     from cbcore_vllm.check.compare import compare, render
 
     with tempfile.TemporaryDirectory(prefix="cbcore-vllm-check-") as tmp:

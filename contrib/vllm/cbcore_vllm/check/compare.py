@@ -26,6 +26,7 @@ class Aspect:
     cbcore: str = ""  # what each engine did from there
     vllm: str = ""
     explanation: Explanation | None = None
+    follows_step: int | None = None  # a divergence that follows from the first differing step
 
     @property
     def unexplained(self) -> bool:
@@ -96,8 +97,15 @@ def compare(cb: Trace, vl: Trace, differences: list[Difference]) -> Report:
         _steps(cb, vl),
         _outputs(cb, vl),
     ]
-    for aspect in report.aspects:
-        if aspect.k is not None and aspect.name != "outputs":  # outputs: no documented difference changes tokens
+    order, victims, steps, _ = report.aspects
+    if steps.k is not None:
+        steps.explanation = explain(differences, vl, steps.k)
+    for aspect in (order, victims):  # outputs: no documented difference changes tokens
+        if aspect.k is None:
+            continue
+        if steps.k is not None and steps.k <= aspect.k:  # the runs parted at that step: this follows from it
+            aspect.follows_step, aspect.explanation = steps.k, steps.explanation
+        else:
             aspect.explanation = explain(differences, vl, aspect.k)
     return report
 
@@ -115,10 +123,11 @@ def render(report: Report) -> str:
         lines.append(f"  cbcore  {a.cbcore}")
         lines.append(f"  vLLM    {a.vllm}")
         e = a.explanation
+        after = f"follows from step {a.follows_step}, where the steps part; " if a.follows_step is not None else ""
         if e is None:
-            lines.append("  UNEXPLAINED: no documented difference was at work before this step")
+            lines.append(f"  UNEXPLAINED: {after}no documented difference was at work by then")
         else:
-            lines.append(f"  explained by {e.difference.id} ({e.difference.title}): step {e.k}, {e.evidence}")
+            lines.append(f"  {after}explained by {e.difference.id} ({e.difference.title}): step {e.k}, {e.evidence}")
     bad = report.unexplained
     lines.append(
         f"result: {len(bad)} unexplained divergence{'s' * (len(bad) != 1)}" if bad

@@ -2,9 +2,10 @@
 
 Each entry's ``signature`` names a function here that looks at the vLLM
 side's trace up to a step and returns the evidence that the difference was
-at work (or None). The check blames a divergence on the documented
-difference whose evidence comes first, at or before the step where the two
-engines parted; with none, the divergence is unexplained.
+at work (or None). The check blames the first step where the two engines'
+steps differ on the documented difference at work there (the latest
+evidence at or before it); a later divergence of the order or the victims
+follows from that step. With no evidence, the divergence is unexplained.
 """
 
 from __future__ import annotations
@@ -55,12 +56,12 @@ def markdown(differences: list[Difference]) -> str:
     )
 
 
-# -- signatures: (vLLM trace, its steps up to the divergence) -> (step, evidence) of the first sign, or None --
+# -- signatures: (vLLM trace, its steps up to the divergence) -> (step, evidence) of the last sign, or None --
 
 
 def _prefill_alone(trace: Trace, steps: list[StepTrace]) -> Evidence:
     cap = trace.chunk_threshold
-    for s in steps:
+    for s in reversed(steps):
         if cap > 0 and s.eligible == 1 and len(s.scheduled) == 1:
             (rid, n), = s.scheduled.items()
             if n > cap:
@@ -69,7 +70,7 @@ def _prefill_alone(trace: Trace, steps: list[StepTrace]) -> Evidence:
 
 
 def _whole_prompt_reservation(trace: Trace, steps: list[StepTrace]) -> Evidence:
-    for s in steps:
+    for s in reversed(steps):
         for r in s.kv_refused:
             return s.k, (f"vLLM kept {r['id']} waiting: its whole prompt needs {r['whole_blocks']} blocks, "
                     f"{r['free_blocks']} were free (its first chunk needed {r['chunk_blocks']})")  # fmt: skip
@@ -77,22 +78,22 @@ def _whole_prompt_reservation(trace: Trace, steps: list[StepTrace]) -> Evidence:
 
 
 def _self_victim(trace: Trace, steps: list[StepTrace]) -> Evidence:
-    for s in steps:
-        for victim, asker in zip(s.preempted, s.askers, strict=True):
-            if victim == asker:
-                return s.k, f"{victim} asked for a KV block and was its own victim"
+    for s in reversed(steps):
+        for victim, asker, after in zip(s.preempted, s.askers, s.waiting_behind, strict=True):
+            if victim == asker and after:
+                return s.k, f"{victim} asked for a KV block and was its own victim; {after} running after it waited"
     return None
 
 
 def _running_above_max_num_seqs(trace: Trace, steps: list[StepTrace]) -> Evidence:
-    for s in steps:
+    for s in reversed(steps):
         if s.max_num_seqs is not None and s.running is not None and s.running > s.max_num_seqs:
             return s.k, f"{s.running} requests running, the budget's max_num_seqs was {s.max_num_seqs}"
     return None
 
 
 def _limits_clamped(trace: Trace, steps: list[StepTrace]) -> Evidence:
-    for s in steps:
+    for s in reversed(steps):
         if s.clamped:
             return s.k, "the budget's limits exceeded vLLM's --max-num-seqs / --max-num-batched-tokens"
     return None
@@ -115,10 +116,14 @@ class Explanation:
 
 
 def explain(differences: list[Difference], vllm_trace: Trace, upto_k: int) -> Explanation | None:
-    """The documented difference whose evidence comes first at or before step ``upto_k``, if any."""
+    """The documented difference whose evidence comes last at or before step ``upto_k``, if any.
+
+    Called with the first step where the engines' steps differ, that is the
+    difference at work in that very step when there is one.
+    """
     steps = [s for s in vllm_trace.steps if s.k <= upto_k]
     found = []
     for d in differences:
         if d.signature is not None and (sign := SIGNATURES[d.signature](vllm_trace, steps)) is not None:
             found.append(Explanation(d, sign[1], sign[0]))
-    return min(found, key=lambda e: e.k) if found else None
+    return max(found, key=lambda e: e.k) if found else None

@@ -22,6 +22,7 @@ class StepTrace:
     scheduled: dict[str, int] = field(default_factory=dict)  # tokens per request, in the engine's order
     preempted: list[str] = field(default_factory=list)
     askers: list[str] = field(default_factory=list)  # vLLM: the request whose room each victim freed
+    waiting_behind: list[int] = field(default_factory=list)  # vLLM: running requests after the asker, per victim
     eligible: int | None = None  # vLLM: requests running or waiting when the step was planned
     running: int | None = None  # vLLM: requests running when the step was planned
     max_num_seqs: int | None = None  # vLLM: the budget's max_num_seqs for the step
@@ -80,9 +81,11 @@ class Tracer:
             )
         )
 
-    def victim(self, step: int, victim: str, asker: str) -> None:
+    def victim(self, step: int, victim: str, asker: str, behind: int) -> None:
+        """``behind``: running requests after the asker in vLLM's order (not yet scheduled this step)."""
         self.steps[-1].preempted.append(self.external(victim))
         self.steps[-1].askers.append(self.external(asker))
+        self.steps[-1].waiting_behind.append(behind)
 
     def admission_refused(self, scheduler: Any, request: Any, num_new_tokens: int, kwargs: dict[str, Any]) -> None:
         """The KV cache refused a waiting request; note it if only the whole-prompt reservation did."""

@@ -91,6 +91,17 @@ class RaiseOnFive(QueuePolicy):
         return (1 / (seq.num_prompt_tokens - 5), seq.request_id)
 
 
+class EngineDependent(QueuePolicy):
+    """Oldest first in cbcore's engine, newest first inside vLLM (it tells the engines apart by the view's
+    type): a divergence no documented difference explains, which the decision check must flag."""
+
+    name = "engine-dependent"
+
+    def key(self, seq, now):
+        sign = -1 if type(seq).__name__ == "RequestView" else 1
+        return (sign * seq.arrival_time, seq.request_id)
+
+
 @hookimpl
 def cbcore_register_policies():
-    return [LongestPromptFirst, EvictLongestPrompt, GarbageOrder, RaiseOnFive]
+    return [LongestPromptFirst, EvictLongestPrompt, GarbageOrder, RaiseOnFive, EngineDependent]

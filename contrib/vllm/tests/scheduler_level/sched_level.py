@@ -13,10 +13,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import cbcore_vllm.harness as harness
+import cbcore_vllm.harness as harness  # before vLLM's modules (sorted first): it sets vLLM's platform
+import torch
 import vllm
 from cbcore_vllm.check.trace import Trace, Tracer
 from cbcore_vllm.check.vllm_scheduler import record
+
+# cbcore's engine runs a tiny model here (the reference side): threads would only fight over the cores,
+# as tests/conftest.py says for the main suite.
+torch.set_num_threads(1)
 
 TESTS = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(TESTS))  # vllm_trace: the multi-tenant trace the end-to-end tests use too
