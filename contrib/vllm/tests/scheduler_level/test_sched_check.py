@@ -53,7 +53,7 @@ def test_outside_package_under_a_tight_cache_diverges_only_as_documented(
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "explained by whole-prompt-reservation" in out  # the tight cache makes vLLM wait for whole prompts
-    assert "UNEXPLAINED" not in out and "outputs (cbcore 24, vLLM 24): agree" in out
+    assert "UNEXPLAINED" not in out and "outputs (cbcore 12, vLLM 12): agree" in out
 
 
 def test_an_unexplained_divergence_fails(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
