@@ -25,7 +25,16 @@ from vllm_helpers import (  # noqa: F401  (tiny_dir is a fixture)
     start_servers_early,
     tiny_dir,
 )
-from vllm_trace import EQUIVALENCE, LIMITS, run_cbcore, trace
+from vllm_trace import (
+    EQUIVALENCE,
+    LIMITS,
+    VICTIM_RULES,
+    admission_requests,
+    preemption_requests,
+    run_cbcore,
+    trace,
+    victim_config,
+)
 
 # Every test here starts vLLM (from .venv-vllm, `make vllm-setup`); they run in CI.
 pytestmark = pytest.mark.vllm
@@ -45,16 +54,6 @@ def engine(max_num_seqs: int, max_tokens: int, **extra: Any) -> dict[str, Any]:
         **ROOMY,
         **extra,
     }
-
-
-def admission_requests() -> list[dict[str, Any]]:
-    # X holds the only slot; A, B, C arrive together, shortest prompt first.
-    return [
-        {"id": "X", "prompt": [1, 7, 7, 7], "max_tokens": 3, "arrive": 0},
-        {"id": "A", "prompt": [1, 8, 9], "max_tokens": 2, "arrive": 1},
-        {"id": "B", "prompt": [1, 11, 12, 13, 14], "max_tokens": 2, "arrive": 1},
-        {"id": "C", "prompt": [1, 21, 22, 23, 24, 25, 26, 27], "max_tokens": 2, "arrive": 1},
-    ]
 
 
 # A config vLLM cannot start with, and what its error must say (cbcore's words: key path, suggestion).
@@ -87,11 +86,6 @@ def refused_requests() -> list[dict[str, Any]]:
     reqs[1]["xargs"] = {"deadline_s": -1}
     reqs[2]["xargs"] = {"attrs": "{not json"}
     return reqs
-
-
-def preemption_requests() -> list[dict[str, Any]]:
-    rows = [("P1", 30, 40, 2, "c", 9.0, 0), ("P2", 20, 40, 0, "c", 9.0, 0), ("P3", 26, 40, 1, "c", 9.0, 0)]
-    return trace(rows)
 
 
 def scenarios(model: Path, log_dir: Path) -> list[dict[str, Any]]:
@@ -196,19 +190,6 @@ def scenarios(model: Path, log_dir: Path) -> list[dict[str, Any]]:
             }
         )
     return out
-
-
-VICTIM_RULES = ("newest", "lowest-priority", "least-progress")
-
-
-def victim_config(rule: str) -> dict[str, Any]:
-    return {
-        "scheduler": {
-            "queue": {"name": "priority", "preempt_running": False},
-            "budget": {"name": "token-budget", "max_num_seqs": 3, "max_num_batched_tokens": 128},
-            "preemption": {"name": "recompute", "victim": rule},
-        }
-    }
 
 
 def preemption_config(log: Path) -> dict[str, Any]:

@@ -56,6 +56,34 @@ def trace(rows: list[tuple[Any, ...]] = ROWS) -> list[dict[str, Any]]:
     ]
 
 
+def admission_requests() -> list[dict[str, Any]]:
+    # X holds the only slot; A, B, C arrive together, shortest prompt first.
+    return [
+        {"id": "X", "prompt": [1, 7, 7, 7], "max_tokens": 3, "arrive": 0},
+        {"id": "A", "prompt": [1, 8, 9], "max_tokens": 2, "arrive": 1},
+        {"id": "B", "prompt": [1, 11, 12, 13, 14], "max_tokens": 2, "arrive": 1},
+        {"id": "C", "prompt": [1, 21, 22, 23, 24, 25, 26, 27], "max_tokens": 2, "arrive": 1},
+    ]
+
+
+def preemption_requests() -> list[dict[str, Any]]:
+    rows = [("P1", 30, 40, 2, "c", 9.0, 0), ("P2", 20, 40, 0, "c", 9.0, 0), ("P3", 26, 40, 1, "c", 9.0, 0)]
+    return trace(rows)
+
+
+VICTIM_RULES = ("newest", "lowest-priority", "least-progress")
+
+
+def victim_config(rule: str) -> dict[str, Any]:
+    return {
+        "scheduler": {
+            "queue": {"name": "priority", "preempt_running": False},
+            "budget": {"name": "token-budget", "max_num_seqs": 3, "max_num_batched_tokens": 128},
+            "preemption": {"name": "recompute", "victim": rule},
+        }
+    }
+
+
 def run_cbcore(model_dir: Path, config: dict[str, Any], requests: list[dict[str, Any]]) -> Trace:
     """The same trace through cbcore's engine, stepped as the vLLM side is (the decision check's own runner)."""
     return cbcore_trace(model_dir, config, requests, STEP_S)

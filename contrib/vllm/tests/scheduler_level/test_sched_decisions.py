@@ -11,19 +11,9 @@ from pathlib import Path
 
 import pytest
 from sched_level import PLUGIN, SELF_VICTIM_ENDS_LOOP, drive, events
-from vllm_trace import trace
+from vllm_trace import VICTIM_RULES, admission_requests, preemption_requests, victim_config
 
 STEP_S = 0.1
-
-
-def admission_requests() -> list[dict]:
-    # X holds the only slot; A, B, C arrive together, shortest prompt first.
-    return [
-        {"id": "X", "prompt": [1, 7, 7, 7], "max_tokens": 3, "arrive": 0},
-        {"id": "A", "prompt": [1, 8, 9], "max_tokens": 2, "arrive": 1},
-        {"id": "B", "prompt": [1, 11, 12, 13, 14], "max_tokens": 2, "arrive": 1},
-        {"id": "C", "prompt": [1, 21, 22, 23, 24, 25, 26, 27], "max_tokens": 2, "arrive": 1},
-    ]
 
 
 def recorder(log: Path) -> dict:
@@ -77,21 +67,10 @@ def test_async_event_timing(tmp_path: Path) -> None:
     assert [rid for _, rid in async_steps.first_scheduled()] == [rid for _, rid in sync_steps.first_scheduled()]
 
 
-def victim_requests() -> list[dict]:
-    return trace([("P1", 30, 40, 2, "c", 9.0, 0), ("P2", 20, 40, 0, "c", 9.0, 0), ("P3", 26, 40, 1, "c", 9.0, 0)])
-
-
-@pytest.mark.parametrize("rule", ["newest", "least-progress", "lowest-priority"])
+@pytest.mark.parametrize("rule", VICTIM_RULES)
 def test_victims_and_what_follows_a_self_preemption(rule: str) -> None:
-    config = {
-        "scheduler": {
-            "queue": {"name": "priority", "preempt_running": False},
-            "budget": {"name": "token-budget", "max_num_seqs": 3, "max_num_batched_tokens": 128},
-            "preemption": {"name": "recompute", "victim": rule},
-        },
-        "clock": {"step_s": STEP_S},
-    }
-    _, decisions = drive(config, victim_requests(), max_num_seqs=3, max_num_batched_tokens=128, num_blocks=4,
+    config = victim_config(rule) | {"clock": {"step_s": STEP_S}}
+    _, decisions = drive(config, preemption_requests(), max_num_seqs=3, max_num_batched_tokens=128, num_blocks=4,
                          max_model_len=128)  # fmt: skip
     victims = [rid for _, rid in decisions.victims()]
     # P1 has the lowest priority (the largest value); P3 is the newest and the least advanced.
@@ -115,7 +94,7 @@ def test_preemption_plugin_chooses_among_the_candidates(tmp_path: Path) -> None:
             "preemption": {"name": "evict-longest-prompt", "log": str(log)},
         },
     }
-    _, decisions = drive(config, victim_requests(), max_num_seqs=3, max_num_batched_tokens=128, num_blocks=4,
+    _, decisions = drive(config, preemption_requests(), max_num_seqs=3, max_num_batched_tokens=128, num_blocks=4,
                          max_model_len=128)  # fmt: skip
     asked = [e for e in events(log) if e["event"] == "victim"]
     assert asked, "the tight cache must force a choice"
