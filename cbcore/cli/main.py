@@ -106,17 +106,17 @@ def opt_in_process_settings() -> Any:
     glibc's allocator keeps the memory a step frees for the next step (no page
     faults per step: :func:`cbcore.kernels.native.hold_freed_memory`), and a
     Ctrl-C is told apart from a policy raising KeyboardInterrupt
-    (:data:`cbcore.scheduling.door.CTRL_C`).
+    (:data:`cbcore.scheduling.door.SIGNALLED`).
     """
     from cbcore.kernels.native import hold_freed_memory
     from cbcore.log import get_logger
-    from cbcore.scheduling.door import CTRL_C
+    from cbcore.scheduling.door import SIGNALLED
 
     why = hold_freed_memory()
     get_logger(__name__).info("freed memory", kept="yes" if why is None else "no", why=why)
 
     def on_ctrl_c(signum: int, frame: object) -> None:
-        CTRL_C.set()
+        SIGNALLED.set()
         raise KeyboardInterrupt
 
     if threading.current_thread() is not threading.main_thread():

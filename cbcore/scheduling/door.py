@@ -17,11 +17,12 @@ the door asks again one request at a time and blames the first whose call
 raises alone (an ``on_step_end`` asked again may see some results twice).
 
 Everything a policy raises is the policy's, ``SystemExit`` and
-``KeyboardInterrupt`` included, except a Ctrl-C the process received
-(:func:`interrupted`), which stays a shutdown, and a ``MemoryError``, which
-stops the engine. An application tells a Ctrl-C apart by setting
-:data:`CTRL_C` in its SIGINT handler; without one, a KeyboardInterrupt on the
-main thread is taken for a Ctrl-C and one on any other thread for the plugin's. Policies get read-only views
+``KeyboardInterrupt`` included, except a signal the process received
+(:func:`interrupted`: Ctrl-C, SIGTERM), which stays a shutdown, and a
+``MemoryError``, which stops the engine. An application tells a signal
+apart by setting :data:`SIGNALLED` in its handler; without one, a
+KeyboardInterrupt on the main thread is taken for a Ctrl-C and anything else
+for the plugin's. Policies get read-only views
 (``seq.view``, ``blocks.view``), never the engine's objects.
 """
 
@@ -51,8 +52,8 @@ from cbcore.scheduling.sequence import Sequence
 
 log = get_logger(__name__)
 _stored_key = attrgetter("queue_key")
-#: Set by the application's Ctrl-C handler (``cb``: :func:`cbcore.cli.main.opt_in_process_settings`).
-CTRL_C = threading.Event()
+#: Set by the application's signal handlers (``cb``: :func:`cbcore.cli.main.opt_in_process_settings`).
+SIGNALLED = threading.Event()
 
 SLOTS = ("queue", "budget", "prefill", "preemption")
 EVENTS = ("on_arrival", "on_step_end", "on_finish")
@@ -89,16 +90,19 @@ def describe(plugin: object, origin: str | None = None) -> str:
     return f"{label} {getattr(plugin, 'name', type(plugin).__name__)!r}" + (f" ({origin})" if origin else "")
 
 
-def interrupted() -> bool:
-    """Whether a KeyboardInterrupt raised now is a Ctrl-C the process received: a shutdown, nobody's fault."""
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        return threading.current_thread() is threading.main_thread()
-    return CTRL_C.is_set()
+def interrupted(exc: BaseException) -> bool:
+    """Whether ``exc`` (raised now) is the process being stopped by a signal: a shutdown, nobody's fault."""
+    if not isinstance(exc, KeyboardInterrupt | SystemExit):
+        return False
+    if SIGNALLED.is_set():
+        return True
+    default = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    return isinstance(exc, KeyboardInterrupt) and default and threading.current_thread() is threading.main_thread()
 
 
 def raise_named(name: str, method: str, request_id: str | None, exc: BaseException) -> NoReturn:
     """Raise ``exc``, raised by plugin ``name`` in ``method`` about ``request_id``, as the PolicyError naming them."""
-    if isinstance(exc, PolicyError) or (isinstance(exc, KeyboardInterrupt) and interrupted()):
+    if isinstance(exc, PolicyError) or interrupted(exc):
         raise exc
     if isinstance(exc, MemoryError):
         request_id = None  # the process is out of memory: stopping beats guessing whom to blame
@@ -161,7 +165,7 @@ class Door:
 
     def _narrow(self, policy: object, method: str, seqs: Seq[Any], ask: Any, exc: BaseException) -> NoReturn:
         """A call about several sequences raised: the first whose call alone raises is to blame."""
-        if not (isinstance(exc, KeyboardInterrupt) and interrupted()) and not isinstance(exc, MemoryError):
+        if not interrupted(exc) and not isinstance(exc, MemoryError):
             for seq in seqs:
                 try:
                     ask(seq)

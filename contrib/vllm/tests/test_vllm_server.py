@@ -61,6 +61,34 @@ def complete(port: int, **body: Any) -> dict[str, Any]:
         return json.loads(r.read())
 
 
+def post(port: int, **body: Any) -> tuple[int, dict[str, Any]]:
+    """(HTTP status, JSON body), errors included."""
+    import urllib.error
+
+    try:
+        return 200, complete(port, **body)
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_bad_vllm_xargs_get_a_400_naming_the_field_and_the_others_are_served(server: dict[str, Any]) -> None:
+    """docs/vllm.md, "Per-request fields": cbcore_vllm.RequestCheck answers before vLLM's engine sees it."""
+    bad = {"deadline_s": -1}, {"attrs": "{not json"}, {"client_id": ""}
+    with ThreadPoolExecutor(len(bad) + 2) as pool:
+        refused = [pool.submit(post, server["port"], prompt="Hello", max_tokens=4, vllm_xargs=x) for x in bad]
+        served = [pool.submit(post, server["port"], prompt=p, max_tokens=4) for p in PROMPTS[:2]]
+        answers = [f.result() for f in refused], [f.result() for f in served]
+    for status, body in answers[0]:
+        assert status == 400 and body["error"]["type"] == "BadRequestError" and body["error"]["param"] == "vllm_xargs"
+    messages = [body["error"]["message"] for _, body in answers[0]]
+    assert messages[0] == "vllm_xargs: deadline_s must be finite and > 0, got -1"
+    assert messages[1].startswith("vllm_xargs: attrs must be a JSON object (or its JSON text), got unparsable text")
+    assert messages[2].startswith("vllm_xargs: client_id")
+    assert [(status, body["choices"][0]["finish_reason"]) for status, body in answers[1]] == [(200, "length")] * 2
+    # vLLM's engine lives on: the next request is served.
+    assert post(server["port"], prompt="Once more", max_tokens=2)[0] == 200
+
+
 def test_greedy_tokens_equal_cbcore_engine(server: dict[str, Any], default_dir: Path) -> None:
     from transformers import AutoTokenizer
 

@@ -29,12 +29,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cbcore_vllm.check.model import tiny_llama
+from cbcore_vllm.check.trace import Trace
 
 ROOT = Path(__file__).resolve().parents[3]
 VLLM_PY = Path(os.environ.get("CBCORE_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
 HERE = Path(__file__).resolve().parent
 PLUGIN = str(HERE / "plugins" / "recorder.py")
-DRIVER = str(HERE / "vllm_driver.py")
 
 
 def vllm_python() -> Path:
@@ -93,17 +94,20 @@ class Started:
 
 
 def start_driver(scenarios: list[dict[str, Any]], workdir: Path) -> Started:
+    """Every scenario through vLLM's offline engine, in one process (``python -m cbcore_vllm.check.batch``)."""
     spec = workdir / "spec.json"
-    spec.write_text(json.dumps({"scenarios": scenarios}))
-    return Started([str(vllm_python()), DRIVER, str(spec), str(workdir / "out.json")], vllm_env(), workdir / "driver.log")
+    spec.write_text(json.dumps({"runs": scenarios}))
+    cmd = [str(vllm_python()), "-m", "cbcore_vllm.check.batch", str(spec), str(workdir / "out.json")]
+    return Started(cmd, vllm_env(), workdir / "driver.log")
 
 
-def driver_results(driver: Started, workdir: Path, timeout_s: float = 1200) -> dict[str, dict[str, Any]]:
+def driver_results(driver: Started, workdir: Path, timeout_s: float = 1200) -> dict[str, Trace]:
+    """Each scenario's trace (``error`` set where vLLM or the adapter refused it)."""
     driver.wait(timeout_s)
     out = workdir / "out.json"
     if driver.proc.returncode != 0 or not out.exists():
         raise AssertionError(f"vLLM driver failed (rc {driver.proc.returncode}):\n{driver.log_tail()}")
-    results = {r["name"]: r for r in json.loads(out.read_text())["results"]}
+    results = {r["name"]: Trace.from_json(r["trace"]) for r in json.loads(out.read_text())["results"]}
     sys.stderr.write(f"vLLM driver: {time.monotonic() - driver.t0:.1f} s for {len(results)} engines\n")
     return results
 
@@ -130,7 +134,8 @@ def server_command(model: Path, port: int, cbcore: dict[str, Any], *extra: str) 
         str(port),
         "--scheduler-cls",
         "cbcore_vllm.Scheduler",
-        "--no-async-scheduling",
+        "--middleware",
+        "cbcore_vllm.RequestCheck",
         "--additional-config",
         json.dumps({"cbcore": cbcore}),
         "--enforce-eager",
@@ -259,23 +264,4 @@ def stop_servers(servers: dict[str, Any]) -> None:
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama vLLM's CPU attention accepts (head size 64; its block size is a multiple of 32)."""
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    cfg = LlamaConfig(
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        initializer_range=0.2,
-    )
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny-llama")
-    AutoModelForCausalLM.from_config(cfg).to(torch.float32).save_pretrained(path)
-    return path
+    return tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
