@@ -26,7 +26,7 @@ from ray.serve.handle import DeploymentHandle
 from cbcore.log import get_logger
 from cbcore.outputs import EngineLoad, RequestOutput
 from cbcore.scale.replica import Batch
-from cbcore.serve.engine_loop import Accepted, Failed, Handle, Observer, Submission
+from cbcore.serve.channel import Accepted, Failed, Handle, Observer, Submission
 from cbcore.serve.errors import ApiError
 
 log = get_logger(__name__)
@@ -71,6 +71,10 @@ class RemoteLoop:
     @property
     def alive(self) -> bool:
         return True  # replicas are watched by Ray Serve; the ingress serves while it runs
+
+    @property
+    def trouble(self) -> str | None:
+        return None  # a replica in trouble fails its health check, and Ray Serve replaces it
 
     @property
     def load(self) -> EngineLoad:

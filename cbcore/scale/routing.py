@@ -24,7 +24,7 @@ from cbcore.log import get_logger
 from cbcore.outputs import EngineLoad
 from cbcore.plugins import get_registry
 from cbcore.scale.router import ReplicaView, Router, RouteRequest, RouterError
-from cbcore.serve.engine_loop import Submission
+from cbcore.serve.channel import Submission
 
 log = get_logger(__name__)
 
