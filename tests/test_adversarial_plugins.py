@@ -75,7 +75,9 @@ requests = st.lists(
 
 
 def build(target: str, swap: bool) -> Engine:
-    kv = {"block_size": 4, "num_blocks": 12, "prefix_caching": not swap}
+    # choose_victim is asked only when the cache cannot grow: 6 blocks (24 tokens) is a request of 12 + 8 tokens
+    # and one more, and most workloads drawn are preempted.
+    kv = {"block_size": 4, "num_blocks": 6 if target == "choose_victim" else 12, "prefix_caching": not swap}
     if target == "schedule":
         scheduler = {"name": f"{HERE}:FaultyFifo"}
         kv = {"block_size": 4, "num_blocks": 32}
@@ -248,6 +250,7 @@ def run(engine: Engine, plan: Faults, reqs: list, watchdog: Watchdog) -> tuple[d
 
     try:
         for i, (prompt, cap, abort_at) in enumerate(reqs):
+            plan.step = i  # an on_arrival fault fires at the arrival of request number `at`
             params = SamplingParams(max_new_tokens=cap)
             rid = call("add_request", engine.add_request, list(POOL[prompt]), params, request_id=f"r{i}")
             which[rid] = (prompt, cap)
