@@ -7,7 +7,8 @@
   the stall (never silence) and a new request gets 503 naming it. Once the
   call returns, the request it concerned ends with "took longer than the
   watchdog's ...", the server is healthy, serves the next request exactly,
-  and nothing is held.
+  and nothing is held. A call that never returns leaves the server
+  unhealthy, and SIGTERM still ends it promptly with 0.
 * On an engine stepped here: the stall names a whole-scheduler plugin's
   method, or the engine's own call when no plugin is on the stack, and it
   ends when the call returns.
@@ -24,7 +25,7 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from test_serve_isolation import HARMLESS, QUEUE, one, start_server, stop_promptly
+from test_serve_isolation import HARMLESS, QUEUE, one, said, start_server, stop_promptly
 from test_serve_load import idle_metrics, metric
 
 from cbcore import Engine, EngineConfig, SamplingParams
@@ -108,6 +109,7 @@ def test_a_slow_plugin_is_named_within_the_bound_and_the_server_recovers(server)
     t503, status, said = seen["health"][-1]
     assert (status, said) == (503, {"status": STALLED})
     assert t503 - slept_from <= WATCHDOG_S + 1, f"/health turned 503 {t503 - slept_from:.2f} s after the sleep began"
+    print(f"/health turned 503 {t503 - slept_from:.2f} s after the sleep began (bound {WATCHDOG_S} s)")
     assert seen["metrics"] == {(QUEUE, "key"): 1.0}
     assert seen["refused"] == (503, STALLED)
     # Every stream was told during the stall, not after the call returned: never silence.
@@ -121,6 +123,17 @@ def test_a_slow_plugin_is_named_within_the_bound_and_the_server_recovers(server)
     log = server.log_text()
     assert "the engine stalled" in log and "time.sleep(seq.attrs" in log  # named, with the engine thread's stack
     assert "key() took longer than the watchdog's 1 s" in log and "the engine resumed after a stall" in log
+
+
+def test_a_call_that_never_returns_leaves_the_server_unhealthy_and_sigterm_still_ends_it(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="-", max_retries=0, timeout=60)
+    with pytest.raises(openai.APIError) as stalled:  # told within the bound, though the call goes on
+        client.completions.create(model=server.model, prompt=PROMPT, max_tokens=4, extra_body={"attrs": {"do": "sleep", "s": 3600}})
+    assert said(stalled.value) == STALLED
+    time.sleep(WATCHDOG_S)
+    health = httpx.get(server.url + "/health")
+    assert (health.status_code, health.json()) == (503, {"status": STALLED})
+    stop_promptly(server)  # the engine thread is not waited for while it is stalled
 
 
 async def aenumerate(stream):
