@@ -35,6 +35,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -61,7 +63,20 @@ HARMLESS = {"do": "nothing"}
 SIGTERM_EXIT_S = 20  # "promptly": the server used to take about 40 s with a dead engine thread
 
 
-def start_server(tmp: Path, watchdog_s: float = 30.0) -> ServerProcess:
+@contextmanager
+def serving(tmp: Path, model: Path, watchdog_s: float = 30.0) -> Iterator[ServerProcess]:
+    """A server of its own (its files in ``tmp``) with the mischief plugins; SIGTERM ends it promptly, with 0."""
+    tmp.mkdir()
+    server = start_server(tmp, model, watchdog_s)
+    try:
+        yield server
+    except BaseException:
+        server.close()
+        raise
+    stop_promptly(server)
+
+
+def start_server(tmp: Path, model: Path, watchdog_s: float) -> ServerProcess:
     report = tmp / "report.jsonl"
     config = {
         "plugins": [str(PLUGIN)],
@@ -74,7 +89,7 @@ def start_server(tmp: Path, watchdog_s: float = 30.0) -> ServerProcess:
     }
     (tmp / "config.json").write_text(json.dumps(config))
     server = ServerProcess(
-        ["--model", str(tmp.parent / "model"), "--config", str(tmp / "config.json"), "--threads", "1"],
+        ["--model", str(model), "--config", str(tmp / "config.json"), "--threads", "1"],
         env={"OMP_NUM_THREADS": "1"},
     )
     server.report = report
@@ -92,23 +107,10 @@ def stop_promptly(server: ServerProcess) -> None:
 
 
 @pytest.fixture(scope="module")
-def mischief_dir(tmp_path_factory, cb_tiny_model_dir):
-    tmp = tmp_path_factory.mktemp("mischief")
-    (tmp / "model").symlink_to(cb_tiny_model_dir)
-    return tmp
-
-
-@pytest.fixture(scope="module")
-def server(mischief_dir):
-    """One server for the tests a plugin failure must not break; SIGTERM ends it promptly, with 0."""
-    (mischief_dir / "shared").mkdir()
-    server = start_server(mischief_dir / "shared")
-    try:
+def server(tmp_path_factory, cb_tiny_model_dir):
+    """One server for the tests a plugin failure must not break."""
+    with serving(tmp_path_factory.mktemp("mischief") / "shared", cb_tiny_model_dir) as server:
         yield server
-    except BaseException:
-        server.close()
-        raise
-    stop_promptly(server)
 
 
 async def one(client: openai.AsyncOpenAI, model: str, prompt: list[int], cap: int, attrs: dict) -> tuple:
@@ -222,11 +224,8 @@ def test_a_plugin_writing_to_what_it_is_handed_changes_nothing_and_ends_only_its
     ("do", "cause"),
     [("stop", f"{BUDGET} raised RuntimeError in limits()"), ("memory", f"{QUEUE} raised MemoryError in key()")],
 )
-def test_what_concerns_no_single_request_stops_the_engine_loudly_and_never_hangs(mischief_dir, do, cause):
-    tmp = mischief_dir / f"stops-{do}"
-    tmp.mkdir()
-    server = start_server(tmp)
-    try:
+def test_what_concerns_no_single_request_stops_the_engine_loudly_and_never_hangs(tmp_path, cb_tiny_model_dir, do, cause):
+    with serving(tmp_path / "server", cb_tiny_model_dir) as server:
         outcomes = run_batch(server, {"do": do})
         stopped = f"the engine stopped: {cause}"
         assert set(outcomes) == {("error", stopped)}, outcomes  # every request in flight, named
@@ -238,10 +237,6 @@ def test_what_concerns_no_single_request_stops_the_engine_loudly_and_never_hangs
         assert metric(after, "cbcore:kv_cache_blocks_used") == 0
         log = server.log_text()
         assert "the engine stopped" in log and str(PLUGIN) in log and "Traceback" in log  # the full detail
-    except BaseException:
-        server.close()
-        raise
-    stop_promptly(server)
 
 
 # -- the engine loop itself, without HTTP ----------------------------------------------------------

@@ -25,7 +25,7 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from test_serve_isolation import HARMLESS, QUEUE, one, said, start_server, stop_promptly
+from test_serve_isolation import HARMLESS, QUEUE, one, said, serving, stop_promptly
 from test_serve_load import idle_metrics, metric
 
 from cbcore import Engine, EngineConfig, SamplingParams
@@ -40,16 +40,8 @@ PROMPT = [5, 6, 7]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, cb_tiny_model_dir):
-    tmp = tmp_path_factory.mktemp("watchdog")
-    (tmp / "model").symlink_to(cb_tiny_model_dir)
-    (tmp / "server").mkdir()
-    server = start_server(tmp / "server", watchdog_s=WATCHDOG_S)
-    try:
+    with serving(tmp_path_factory.mktemp("watchdog") / "server", cb_tiny_model_dir, WATCHDOG_S) as server:
         yield server
-    except BaseException:
-        server.close()
-        raise
-    stop_promptly(server)
 
 
 def stall_series(text: str) -> dict[tuple[str, str], float]:
