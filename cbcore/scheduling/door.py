@@ -185,7 +185,7 @@ class Door:
 
     def _late(self, seq: Sequence) -> None:
         """A call about ``seq`` returned while ``overdue`` is set: if it named ``seq``, its request fails now."""
-        late, plugin, what = self.overdue  # type: ignore[misc]
+        late, plugin, what = self.overdue or (None, "", "")
         if late is seq:
             self.overdue = None
             raise PolicyError(f"{plugin}: {what} (request {seq.request_id!r})", plugin=plugin, rule=what,
