@@ -131,6 +131,9 @@ class ServeConfig(_Strict):
     body_timeout_s: float = Field(30.0, gt=0, le=MAX_SECONDS)  # for a request's whole body to arrive
     # tokenise prompts and render chat templates off the HTTP event loop
     tokenizer_threads: int = Field(2, gt=0, le=256)
+    # A step, or a plugin call in it, running longer than this stalls the server: the requests in flight end
+    # with an error naming the plugin and method, /health answers 503 until the call returns.
+    watchdog_s: float = Field(30.0, gt=0, le=MAX_SECONDS)
 
 
 class ExecutionConfig(_Strict):

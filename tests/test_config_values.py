@@ -33,6 +33,7 @@ def problem(data: dict, overrides: list[str] | None = None) -> str:
     [
         ({"serve": {"shutdown_grace_s": math.inf}}, "serve.shutdown_grace_s: inf"),
         ({"serve": {"header_timeout_s": math.nan}}, "serve.header_timeout_s: nan"),
+        ({"serve": {"watchdog_s": math.inf}}, "serve.watchdog_s: inf"),
         ({"kv_cache": {"max_memory_mb": math.inf}}, "kv_cache.max_memory_mb: inf"),
         ({"scheduler": {"queue": {"name": "priority", "aging_s": -math.inf}}}, "scheduler.queue.aging_s: -inf"),
     ],
@@ -54,6 +55,7 @@ def test_yaml_infinity_from_set_is_refused_and_a_string_is_not_a_number():
         ("serve.shutdown_grace_s", 1e300),
         ("serve.header_timeout_s", 86_401.0),
         ("serve.body_timeout_s", 1e10),
+        ("serve.watchdog_s", 86_401.0),
         ("serve.retry_after_s", 10**20),
         ("serve.tokenizer_threads", 10**6),
         ("kv_cache.max_memory_mb", 1e300),
@@ -64,6 +66,10 @@ def test_yaml_infinity_from_set_is_refused_and_a_string_is_not_a_number():
 def test_values_past_their_bound_are_refused(key, value):
     section, field = key.split(".")
     assert problem({section: {field: value}}).startswith(f"{key}: Input should be less than or equal to")
+
+
+def test_a_watchdog_of_no_time_is_refused():
+    assert problem({"serve": {"watchdog_s": 0}}).startswith("serve.watchdog_s: Input should be greater than 0")
 
 
 def test_values_at_their_bound_still_pass():

@@ -27,7 +27,7 @@ from cbcore.log import get_logger
 from cbcore.outputs import RequestOutput
 from cbcore.scale.replica import Batch
 from cbcore.scale.router import EngineLoad
-from cbcore.serve.engine_loop import Accepted, Failed, Handle, Observer, Submission
+from cbcore.serve.channel import Accepted, Failed, Handle, Observer, Submission
 from cbcore.serve.errors import ApiError
 
 log = get_logger(__name__)
@@ -72,6 +72,10 @@ class RemoteLoop:
     @property
     def alive(self) -> bool:
         return True  # replicas are watched by Ray Serve; the ingress serves while it runs
+
+    @property
+    def trouble(self) -> str | None:
+        return None  # a replica in trouble fails its health check, and Ray Serve replaces it
 
     @property
     def load(self) -> EngineLoad:

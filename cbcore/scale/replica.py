@@ -21,7 +21,8 @@ from cbcore.config import EngineConfig
 from cbcore.log import get_logger
 from cbcore.outputs import RequestOutput
 from cbcore.scale.router import EngineLoad
-from cbcore.serve.engine_loop import EngineLoop, Event, Failed, Submission
+from cbcore.serve.channel import Event, Failed, Submission
+from cbcore.serve.engine_loop import EngineLoop
 
 log = get_logger(__name__)
 
@@ -59,7 +60,7 @@ class EngineReplica:
         self.config = EngineConfig.model_validate(config)
         model, self.tokenizer = load_model_and_tokenizer(self.config.model.path, self.config.model)
         self.engine = Engine(model, None, self.config)  # token ids in and out: the ingress decodes
-        self.loop = EngineLoop(self.engine)
+        self.loop = EngineLoop(self.engine, watchdog_s=self.config.serve.watchdog_s)
         self.loop.start(asyncio.get_running_loop())  # the loop generate() runs on
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         log.info("replica ready", replica=self.replica_id)
@@ -93,8 +94,8 @@ class EngineReplica:
         return {"load": dataclasses.asdict(self.loop.load), "time": time.time()}
 
     def check_health(self) -> None:
-        if not self.loop.alive:
-            raise RuntimeError(f"replica {self.replica_id}: the engine thread has stopped")
+        if (trouble := self.loop.trouble) is not None:  # stopped after a failure, stalled, or no engine thread
+            raise RuntimeError(f"replica {self.replica_id}: {trouble}")
 
     def __del__(self) -> None:
         loop = getattr(self, "loop", None)

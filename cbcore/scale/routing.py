@@ -23,7 +23,7 @@ from cbcore.config import PluginSpec
 from cbcore.log import get_logger
 from cbcore.plugins import get_registry
 from cbcore.scale.router import EngineLoad, ReplicaView, Router, RouteRequest, RouterError
-from cbcore.serve.engine_loop import Submission
+from cbcore.serve.channel import Submission
 
 log = get_logger(__name__)
 

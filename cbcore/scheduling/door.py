@@ -145,6 +145,8 @@ class Door:
         self.sorts_by_key = type(queue).order is QueuePolicy.order
         # Only the policies that override an event hear it: the others' no-ops cost nothing per step.
         self.hearing = {event: [p for p in self.policies if _overrides(p, event)] for event in EVENTS}
+        # (sequence, plugin, what) while a watchdog finds a call about that sequence running past its bound: _late
+        self.overdue: tuple[Sequence, str, str] | None = None
 
     @property
     def culprit(self) -> str:
@@ -173,6 +175,14 @@ class Door:
                     self._raise(policy, method, seq, alone)
         self._raise(policy, method, None, exc)
 
+    def _late(self, seq: Sequence) -> None:
+        """A call about ``seq`` returned while ``overdue`` is set: if it named ``seq``, its request fails now."""
+        late, plugin, what = self.overdue or (None, "", "")
+        if late is seq:
+            self.overdue = None
+            raise PolicyError(f"{plugin}: {what} (request {seq.request_id!r})", plugin=plugin, rule=what,
+                              request_id=seq.request_id, public=f"{plugin.split(' (')[0]}: {what}")  # fmt: skip
+
     # -- answers -------------------------------------------------------------
 
     def limits(self, state: SchedulerState) -> StepLimits:
@@ -188,9 +198,12 @@ class Door:
 
     def may_admit(self, seq: Sequence, state: SchedulerState) -> bool:
         try:
-            return bool(self.budget.may_admit(seq.view, state))
+            ok = bool(self.budget.may_admit(seq.view, state))
         except BaseException as exc:
             self._raise(self.budget, "may_admit", seq, exc)
+        if self.overdue:
+            self._late(seq)
+        return ok
 
     def num_tokens(self, seq: Sequence, tokens_left: int, scheduled: Seq[Any]) -> int:
         """Pending tokens of ``seq`` to run now; more than is pending means all of it (documented)."""
@@ -201,6 +214,8 @@ class Door:
             n = self.prefill.num_tokens(seq.view, tokens_left, tuple(scheduled))
         except BaseException as exc:
             self._raise(self.prefill, "num_tokens", seq, exc)
+        if self.overdue:
+            self._late(seq)
         if type(n) is not int or n < 0:
             self._broke(self.prefill, "num_tokens() returns an int >= 0", f"got {n!r}", seq)
         if n > tokens_left and scheduled:
@@ -210,9 +225,12 @@ class Door:
 
     def key(self, seq: Sequence, now: float) -> Any:
         try:
-            return self.queue.key(seq.view, now)
+            key = self.queue.key(seq.view, now)
         except BaseException as exc:
             self._raise(self.queue, "key", seq, exc)
+        if self.overdue:
+            self._late(seq)
+        return key
 
     def order(self, seqs: Seq[Sequence], now: float) -> list[Sequence]:
         """``seqs`` in queue order (a new list): by stored keys, by ``key()``, or by the queue's own ``order()``."""
@@ -226,6 +244,8 @@ class Door:
                     keyed.append((queue.key(seq.view, now), i, seq))
                 except BaseException as exc:
                     self._raise(queue, "key", seq, exc)
+                if self.overdue:
+                    self._late(seq)
             try:
                 keyed.sort()
             except BaseException as exc:  # keys that do not compare
@@ -268,6 +288,8 @@ class Door:
         for policy in self.hearing["on_arrival"]:
             try:
                 policy.on_arrival(seq.view, now)
+                if self.overdue:
+                    self._late(seq)
             except BaseException as exc:
                 for earlier in told:
                     try:
@@ -277,9 +299,9 @@ class Door:
                 self._raise(policy, "on_arrival", seq, exc)
             told.append(policy)
 
-    def step_ended(self, results: list[StepResult], now: float) -> list[PolicyError]:
-        """Every policy hears the step; returns the failures (each names its request, or none)."""
-        failures = []
+    def step_ended(self, results: Seq[StepResult], now: float) -> list[PolicyError]:
+        """Every policy hears the step (as a tuple: one policy cannot change what the next hears); returns the failures."""
+        failures, results = [], tuple(results)
         for policy in self.hearing["on_step_end"]:
             try:
                 policy.on_step_end(results, now)

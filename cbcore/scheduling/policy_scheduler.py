@@ -58,7 +58,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
-from functools import cached_property
 from typing import Any, Literal
 
 from cbcore.config import SLOTS, EngineConfig
@@ -78,12 +77,22 @@ WAITING, RUNNING, SWAPPED = SequenceStatus.WAITING, SequenceStatus.RUNNING, Sequ
 class LazyViews(Seq[Any]):
     """The waiting queue's views in queue order, ordered on first read: most steps never read it."""
 
-    def __init__(self, order: Callable[[], list[Sequence]]) -> None:
-        self._order = order
+    __slots__ = ("_items", "_order")
 
-    @cached_property
+    def __init__(self, order: Callable[[], list[Sequence]]) -> None:
+        object.__setattr__(self, "_order", order)
+        object.__setattr__(self, "_items", None)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"state.waiting is read-only (tried to set {name!r})")
+
+    __delattr__ = __setattr__
+
+    @property
     def items(self) -> tuple[Any, ...]:
-        return tuple(s.view for s in self._order())
+        if self._items is None:
+            object.__setattr__(self, "_items", tuple(s.view for s in self._order()))
+        return self._items
 
     def __getitem__(self, index: Any) -> Any:
         return self.items[index]
@@ -138,7 +147,9 @@ class PolicyScheduler:
         now = self.clock()
         seq.finish(FinishReason.ABORT if seq.error is None else FinishReason.ERROR, now, seq.error)
         del self._by_id[request_id]
-        self.door.finished(seq, now)
+        for failure in self.door.finished(seq, now):
+            if failure.request_id is None:  # a MemoryError: it stops the engine, as anywhere else
+                raise failure
         return seq
 
     def snapshot(self) -> Callable[[], None]:
