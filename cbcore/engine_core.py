@@ -160,7 +160,7 @@ class EngineCore:
         return seq is not None
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return bool(self._live)  # the engine's own count: a scheduler plugin that loses a request cannot end it
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix no request holds (a benchmark's cold start); returns how many blocks."""
@@ -221,7 +221,6 @@ class EngineCore:
             step=self.step_totals.steps + 1,
             num_seqs=len(out.scheduled),
             num_tokens=plan.num_tokens,
-            num_prefill_tokens=plan.num_tokens - plan.num_decode_tokens,
             num_decode_tokens=plan.num_decode_tokens,
             num_preempted=len(out.preempted),
             kv_blocks_used=blocks.num_used_blocks,

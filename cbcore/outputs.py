@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from cbcore.scheduling.sequence import Sequence
+
+#: The Sequence attributes behind RequestMetrics' fields, in field order.
+_METRIC_FIELDS = attrgetter(
+    "arrival_time", "first_scheduled_time", "first_token_time", "token_times", "finish_time", "num_preemptions",
+    "num_prompt_tokens", "num_output_tokens", "prefix_cache_queries", "prefix_cache_hits",
+)
 
 
 @dataclass(frozen=True)
@@ -31,18 +38,9 @@ class RequestMetrics:
 
     @classmethod
     def of(cls, seq: Sequence) -> RequestMetrics:
-        return cls(
-            arrival_time=seq.arrival_time,
-            first_scheduled_time=seq.first_scheduled_time,
-            first_token_time=seq.first_token_time,
-            token_times=tuple(seq.token_times),
-            finish_time=seq.finish_time,
-            num_preemptions=seq.num_preemptions,
-            prompt_len=seq.num_prompt_tokens,
-            output_len=seq.num_output_tokens,
-            prefix_cache_queries=seq.prefix_cache_queries,
-            prefix_cache_hits=seq.prefix_cache_hits,
-        )
+        """The sequence's own fields, in this class's field order (``token_times`` copied)."""
+        values = _METRIC_FIELDS(seq)
+        return cls(*values[:3], tuple(values[3]), *values[4:])
 
     @property
     def queue_time(self) -> float | None:
@@ -119,7 +117,6 @@ class StepStats:
     step: int
     num_seqs: int
     num_tokens: int
-    num_prefill_tokens: int
     num_decode_tokens: int
     num_preempted: int
     kv_blocks_used: int
@@ -135,6 +132,10 @@ class StepStats:
     @property
     def total_s(self) -> float:
         return self.schedule_s + self.prepare_s + self.forward_s + self.sample_s
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.num_tokens - self.num_decode_tokens
 
     @property
     def is_mixed(self) -> bool:

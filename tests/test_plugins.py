@@ -224,8 +224,6 @@ SERIAL_SCHEDULER = """
         def add(self, seq):
             self.queue.append(seq)
 
-        def has_unfinished(self):
-            return bool(self.queue) or self.current is not None
 
         def schedule(self):
             if self.current is None:

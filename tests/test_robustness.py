@@ -211,8 +211,6 @@ class Lazy(SchedulerPlugin):
     def abort(self, request_id):
         return self.seqs.pop(request_id, None)
 
-    def has_unfinished(self):
-        return bool(self.seqs)
 
 
 class Twice(Lazy):

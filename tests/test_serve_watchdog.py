@@ -158,8 +158,6 @@ class SlowWhole(SchedulerPlugin):
     def abort(self, request_id):
         return None
 
-    def has_unfinished(self):
-        return False
 
 
 def watched_step(engine: Engine, bound_s: float) -> list[tuple[Stall, bool]]:

@@ -348,7 +348,7 @@ class GuardedScheduler:
 
     def __getattr__(self, attr: str) -> Any:
         value = getattr(self.plugin, attr)
-        if attr not in ("add", "abort", "schedule", "on_step_end", "has_unfinished", "snapshot"):
+        if attr not in ("add", "abort", "schedule", "on_step_end", "snapshot"):
             return value
 
         def guarded(*args: Any) -> Any:

@@ -65,40 +65,13 @@ from cbcore.log import get_logger
 from cbcore.plugins import get_registry
 from cbcore.scheduling.block_manager import BlockManager
 from cbcore.scheduling.door import Door, GuardedScheduler, PolicyError, describe
-from cbcore.scheduling.policy import SchedulerState, StepResult
+from cbcore.scheduling.policy import LazyViews, SchedulerState, StepResult
 from cbcore.scheduling.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from cbcore.scheduling.sequence import FinishReason, Sequence, SequenceStatus
 
 log = get_logger(__name__)
 
 WAITING, RUNNING, SWAPPED = SequenceStatus.WAITING, SequenceStatus.RUNNING, SequenceStatus.SWAPPED
-
-
-class LazyViews(Seq[Any]):
-    """The waiting queue's views in queue order, ordered on first read: most steps never read it."""
-
-    __slots__ = ("_items", "_order")
-
-    def __init__(self, order: Callable[[], list[Sequence]]) -> None:
-        object.__setattr__(self, "_order", order)
-        object.__setattr__(self, "_items", None)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError(f"state.waiting is read-only (tried to set {name!r})")
-
-    __delattr__ = __setattr__
-
-    @property
-    def items(self) -> tuple[Any, ...]:
-        if self._items is None:
-            object.__setattr__(self, "_items", tuple(s.view for s in self._order()))
-        return self._items
-
-    def __getitem__(self, index: Any) -> Any:
-        return self.items[index]
-
-    def __len__(self) -> int:
-        return len(self.items)
 
 
 class PolicyScheduler:
@@ -195,15 +168,12 @@ class PolicyScheduler:
             tuple(s.view for s in self.swapped), self.blocks.view,
         )  # fmt: skip
         limits = self.door.limits(state)
-        self._max_seqs = limits.max_num_seqs
         self._tokens_left, self._seqs_left = limits.max_num_tokens, limits.max_num_seqs
         self._out = SchedulerOutput(limits=limits)
         self._tokens: dict[Sequence, int] = {}  # scheduled this step
         self._views: list[Any] = []  # their views, for num_tokens(..., scheduled)
-        self._partials = 0
         for phase in (self._run, self._swap_in, self._admit) if self.decode_first else (self._admit, self._run, self._swap_in):
             phase()
-        self.num_partial_prefills += self._partials
         return self._out
 
     def _waiting_order(self) -> list[Sequence]:
@@ -213,7 +183,7 @@ class PolicyScheduler:
 
     def _add(self, seq: Sequence, n: int) -> None:
         if n < len(seq.token_ids) - seq.num_computed_tokens:
-            self._partials += 1
+            self.num_partial_prefills += 1  # (the step's undo restores the counters)
         self._out.scheduled.append(ScheduledSeq(seq, n))
         self._tokens[seq] = n
         self._views.append(seq.view)
@@ -221,7 +191,7 @@ class PolicyScheduler:
         self._seqs_left -= 1
 
     def _has_slot(self) -> bool:
-        return self._seqs_left > 0 and len(self.running) < self._max_seqs
+        return self._seqs_left > 0 and len(self.running) < self._out.limits.max_num_seqs
 
     def _run(self) -> None:
         """Phase 1: the running sequences (rule 1)."""
@@ -278,7 +248,7 @@ class PolicyScheduler:
         for seq in self.door.order(self.swapped, self._now):
             if seq in evicted:
                 continue
-            if self._seqs_left <= 0 or self._tokens_left <= 0 or len(self.running) >= self._max_seqs:
+            if self._seqs_left <= 0 or self._tokens_left <= 0 or len(self.running) >= self._out.limits.max_num_seqs:
                 break
             n = self.door.num_tokens(seq, self._tokens_left, self._views)
             if n <= 0 or not self.blocks.can_swap_in(seq, n):
@@ -342,7 +312,7 @@ class PolicyScheduler:
         if victim in self._tokens:
             n = self._tokens.pop(victim)
             if n < len(victim.token_ids) - victim.num_computed_tokens:
-                self._partials -= 1
+                self.num_partial_prefills -= 1
             out.scheduled = [s for s in out.scheduled if s.seq is not victim]
             self._views.remove(victim.view)
             self._tokens_left += n

@@ -201,7 +201,7 @@ class EngineLoop:
             if self._deadline is not None and time.monotonic() >= self._deadline:
                 self._fail_all("the server is shutting down", 503)
             try:
-                work = self.failure is None and self._call("has_unfinished", self.engine.has_unfinished)
+                work = self.failure is None and self.engine.has_unfinished()
                 outputs = self._call("step", self.engine.step) if work else None
             except BaseException as exc:  # whatever it is, the thread lives on to say so
                 self._stop_engine(exc)

@@ -42,7 +42,7 @@ ENGINE = "the engine"
 METHODS = frozenset({
     "key", "order", "outranks", "limits", "may_admit", "num_tokens", "choose_victim",
     "on_arrival", "on_step_end", "on_finish",  # the four policies
-    "add", "abort", "schedule", "has_unfinished", "snapshot",  # a whole scheduler
+    "add", "abort", "schedule", "snapshot",  # a whole scheduler
     "step", "add_request",  # the engine's own (no plugin frame found)
 })  # fmt: skip
 MAX_POLL_S = 0.25

@@ -159,8 +159,6 @@ class FaultyFifo(SchedulerPlugin):
 
         return restore
 
-    def has_unfinished(self):
-        return bool(self.waiting or self.running)
 
     def schedule(self):
         kind = _fire(self, "schedule")

@@ -15,6 +15,7 @@ from cbcore.plugins import PluginError, get_registry
 from cbcore.scheduling.door import SIGNALLED, Door, PolicyError
 from cbcore.scheduling.policy import (
     BudgetPolicy,
+    LazyViews,
     PreemptionPolicy,
     PrefillPolicy,
     QueuePolicy,
@@ -23,7 +24,6 @@ from cbcore.scheduling.policy import (
     StepLimits,
     StepResult,
 )
-from cbcore.scheduling.policy_scheduler import LazyViews
 from cbcore.scheduling.request import EMPTY_ATTRS, RequestFields, field_problems
 from cbcore.scheduling.sampling_params import SamplingParams
 from cbcore.scheduling.scheduler import SchedulerError
