@@ -100,8 +100,7 @@ def test_a_slow_plugin_is_named_within_the_bound_and_the_server_recovers(server)
     slept_from = json.loads(server.report.read_text().splitlines()[-1])["slept_from"]
     t503, status, said = seen["health"][-1]
     assert (status, said) == (503, {"status": STALLED})
-    # During the stall, not after the call returned (how soon past the bound depends on the host's load).
-    assert t503 < slept_from + SLEEP_S, f"/health turned 503 {t503 - slept_from:.2f} s after the sleep began"
+    assert t503 - slept_from <= WATCHDOG_S + 1, f"/health turned 503 {t503 - slept_from:.2f} s after the sleep began"
     print(f"/health turned 503 {t503 - slept_from:.2f} s after the sleep began (bound {WATCHDOG_S} s)")
     assert seen["metrics"] == {(QUEUE, "key"): 1.0}
     assert seen["refused"] == (503, STALLED)
