@@ -154,8 +154,9 @@ class EngineCore:
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request wherever it is; its KV blocks are freed at once."""
-        if (seq := self.scheduler.abort(request_id)) is not None:
-            self._live.pop(request_id, None)
+        seq = self.scheduler.abort(request_id)
+        self._live.pop(request_id, None)  # out of the engine's own count, whatever the scheduler still knew
+        if seq is not None:
             log.info("request aborted", request_id=request_id, generated=seq.num_output_tokens)
         return seq is not None
 
