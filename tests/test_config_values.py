@@ -20,11 +20,13 @@ from pydantic import ValidationError
 
 from cbcore.cli.main import main
 from cbcore.config import ConfigError, EngineConfig, format_validation_error
+from cbcore.serve.config import Settings
 
 
 def problem(data: dict, overrides: list[str] | None = None) -> str:
+    """The message for a config file's values (Settings: the engine's sections and the serve section)."""
     with pytest.raises(ValidationError) as info:
-        EngineConfig.from_dict(data, overrides)
+        Settings.from_dict(data, overrides)
     return format_validation_error(info.value)
 
 
@@ -73,7 +75,7 @@ def test_a_watchdog_of_no_time_is_refused():
 
 
 def test_values_at_their_bound_still_pass():
-    config = EngineConfig.from_dict({"serve": {"shutdown_grace_s": 86_400, "header_timeout_s": 0.5}})
+    config = Settings.from_dict({"serve": {"shutdown_grace_s": 86_400, "header_timeout_s": 0.5}})
     assert config.serve.shutdown_grace_s == 86_400.0 and config.serve.header_timeout_s == 0.5
 
 
@@ -91,10 +93,10 @@ def test_yaml_aliases_are_refused_naming_the_file_and_line(tmp_path):
     assert time.perf_counter() - t0 < 5  # refused as read, not after an expansion (a generous bound)
     assert str(info.value).startswith(f"config file {path}: line 2: the alias *l0 is not accepted")
     with pytest.raises(ConfigError, match=r"--set 'serve.max_waiting=\[&a 1, \*a\]': line 1: the alias \*a"):
-        EngineConfig.from_dict({}, ["serve.max_waiting=[&a 1, *a]"])
+        Settings.from_dict({}, ["serve.max_waiting=[&a 1, *a]"])
     anchor_only = tmp_path / "anchor.yaml"
     anchor_only.write_text("serve: &s {max_waiting: 8}\n")  # an anchor nothing refers to expands nothing
-    assert EngineConfig.from_file(anchor_only).serve.max_waiting == 8
+    assert Settings.from_file(anchor_only).serve.max_waiting == 8
 
 
 @pytest.mark.parametrize(

@@ -18,8 +18,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from cbcore.config import EngineConfig
 from cbcore.log import get_logger
+from cbcore.serve.config import Settings
 
 log = get_logger(__name__)
 APP_NAME = "cbcore"
@@ -27,7 +27,7 @@ APP_NAME = "cbcore"
 
 @dataclass(frozen=True)
 class ScaleOptions:
-    """How the replicas are laid out; everything about one engine stays in the EngineConfig."""
+    """How the replicas are laid out; everything about one engine stays in the config (``Settings``)."""
 
     replicas: int = 2
     num_cpus_per_replica: float = 1.0
@@ -53,7 +53,7 @@ class ScaleOptions:
 
 
 def build_application(
-    config: EngineConfig, options: ScaleOptions, model_name: str, api_key: str | None = None
+    config: Settings, options: ScaleOptions, model_name: str, api_key: str | None = None
 ) -> Any:
     """The bound application (deploy it with ``serve.run``)."""
     from ray import serve
@@ -96,7 +96,7 @@ def build_application(
 
 
 def start(
-    config: EngineConfig,
+    config: Settings,
     options: ScaleOptions,
     model_name: str,
     *,
@@ -128,7 +128,7 @@ def app_name(options: ScaleOptions) -> str:
 
 
 def run(
-    config: EngineConfig,
+    config: Settings,
     options: ScaleOptions,
     model_name: str,
     *,

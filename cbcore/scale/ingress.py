@@ -210,13 +210,13 @@ class Ingress:
         max_attempts: int = 3,
         route_timeout_s: float = 60.0,
     ) -> None:
-        from cbcore.config import EngineConfig
         from cbcore.scale.listeners import bind_replica_grpc_to_node_ip
         from cbcore.serve.app import ServerState
+        from cbcore.serve.config import Settings
         from cbcore.serve.metrics import ServerMetrics, policy_label
 
         bind_replica_grpc_to_node_ip()  # before Serve starts this replica's gRPC server on [::]
-        cfg = EngineConfig.model_validate(config)
+        cfg = Settings.model_validate(config)
         # Limits and tokenizer come from a replica, so the ingress loads no model of its own.
         limits = await replicas.limits.remote()
         tokenizer = await replicas.get_tokenizer.remote()

@@ -17,11 +17,11 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from cbcore.config import EngineConfig
 from cbcore.log import get_logger
 from cbcore.outputs import RequestOutput
 from cbcore.scale.router import EngineLoad
 from cbcore.serve.channel import Event, Failed, Submission
+from cbcore.serve.config import Settings
 from cbcore.serve.engine_loop import EngineLoop
 
 log = get_logger(__name__)
@@ -57,7 +57,7 @@ class EngineReplica:
             import torch
 
             torch.set_num_threads(threads)
-        self.config = EngineConfig.model_validate(config)
+        self.config = Settings.model_validate(config)
         model, self.tokenizer = load_model_and_tokenizer(self.config.model.path, self.config.model)
         self.engine = Engine(model, None, self.config)  # token ids in and out: the ingress decodes
         self.loop = EngineLoop(self.engine, watchdog_s=self.config.serve.watchdog_s)

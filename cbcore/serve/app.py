@@ -10,9 +10,9 @@ from typing import Any
 from fastapi import FastAPI, Response
 from fastapi.responses import JSONResponse
 
-from cbcore.config import ServeConfig
 from cbcore.engine import Engine
 from cbcore.serve import errors
+from cbcore.serve.config import ServeConfig
 from cbcore.serve.convert import Limits
 from cbcore.serve.engine_loop import EngineLoop
 from cbcore.serve.errors import ApiError

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from cbcore.config import ServeConfig
+from cbcore.serve.config import ServeConfig
 from cbcore.serve.convert import Limits
 from cbcore.serve.engine_loop import EngineLoop
 from cbcore.serve.errors import ApiError

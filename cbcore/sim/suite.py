@@ -19,6 +19,7 @@ from cbcore.bench.workload import Workload, WorkloadError
 from cbcore.config import EngineConfig
 from cbcore.plugins import get_registry
 from cbcore.scale.router import engine_load
+from cbcore.serve.config import Settings
 from cbcore.sim.executor import sim_engine
 from cbcore.sim.profile import Profile
 from cbcore.sim.routing import RouterPlacement
@@ -39,10 +40,16 @@ def simulate_suite(
 
     With ``replicas`` > 1, each row is that many engines of its configuration
     behind its ``router`` plugin, which reads their load every
-    ``load_interval_s`` of virtual time.
+    ``load_interval_s`` of virtual time; the configurations are then
+    :class:`~cbcore.serve.config.Settings`, which hold the router.
     """
     if replicas < 1:
         raise ValueError(f"replicas must be at least 1, got {replicas}")
+    if replicas > 1 and (plain := [name for name, config in configs if not isinstance(config, Settings)]):
+        raise TypeError(
+            f"replicas={replicas}: rows {plain} have no router (an EngineConfig holds none); "
+            "build their configs as cbcore.serve.config.Settings"
+        )
     if workload.is_closed_loop:
         raise WorkloadError(
             f"workload {workload.name!r} is closed-loop (requests follow others' answers); "
@@ -80,6 +87,7 @@ def _simulate(
     engines = [sim_engine(config, profile, VirtualClock()) for _ in range(replicas)]
     placement = None
     if replicas > 1:
+        assert isinstance(config, Settings)  # simulate_suite checked every row
         registry = get_registry(tuple(config.plugins))
         router = registry.create("router", config.router.name, config.router.params, "router")
         placement = RouterPlacement(router, replicas, load_interval_s)
