@@ -55,6 +55,7 @@ from cbcore_vllm.policies import build, chunking, refuse_unsupported
 from cbcore_vllm.refusal import Refusals
 from cbcore_vllm.running import VictimList
 from cbcore_vllm.shim import for_version
+from cbcore_vllm.signals import note_signals
 from cbcore_vllm.views import KVCacheView, RequestView
 
 log = structlog.get_logger(__name__)
@@ -78,6 +79,7 @@ class Scheduler(AsyncScheduler):
         sc.enable_chunked_prefill = chunks.enable_chunked_prefill
         sc.long_prefill_token_threshold = chunks.long_prefill_token_threshold
         super().__init__(vllm_config, *args, **kwargs)
+        note_signals()  # a SIGTERM during a policy call stays vLLM's shutdown, never the policy's failure
 
         # Results are built for on_step_end only when a policy listens (the base class's is a no-op).
         self._hears_step_end = bool(self._policies.hearing["on_step_end"])

@@ -89,6 +89,51 @@ def test_bad_vllm_xargs_get_a_400_naming_the_field_and_the_others_are_served(ser
     assert post(server["port"], prompt="Once more", max_tokens=2)[0] == 200
 
 
+def get(port: int, path: str) -> tuple[int, str]:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=60) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+@pytest.mark.parametrize(
+    "mischief",
+    [{"mischief": "raise"}, {"mischief": "exit"}, {"mischief": "interrupt"}, {"mischief": "exit", "after": 3}],
+    ids=["raise-at-arrival", "exit-at-arrival", "interrupt-at-arrival", "exit-mid-decode"],
+)
+def test_a_plugin_failing_about_one_request_ends_it_alone_and_vllm_serves_on(
+    server: dict[str, Any], mischief: dict[str, Any]
+) -> None:
+    """docs/vllm.md, "When a plugin fails": the recorder's key() raises (or exits) for one request's attrs;
+    the requests beside it get the text they get beside a harmless one, and the server serves on, exactly."""
+    port = server["port"]
+
+    def together(xargs: dict[str, Any] | None) -> tuple[list[tuple[int, dict[str, Any]]], tuple[int, dict[str, Any]]]:
+        odd = {"vllm_xargs": xargs} if xargs else {}
+        with ThreadPoolExecutor(len(PROMPTS) + 1) as pool:
+            others = [pool.submit(post, port, prompt=p, max_tokens=MAX_TOKENS) for p in PROMPTS]
+            it = pool.submit(post, port, prompt="Tell me a story about a dragon", max_tokens=MAX_TOKENS, **odd)
+            return [f.result() for f in others], it.result()
+
+    reference, harmless = together(None)
+    answers, failed = together({"attrs": json.dumps(mischief)})
+    assert harmless[0] == 200 and all(status == 200 for status, _ in reference)
+    assert failed[0] != 200 or failed[1]["choices"][0]["finish_reason"] == "error", failed
+    texts = [[c["text"] for c in body["choices"]] for _, body in reference]
+    assert [status for status, _ in answers] == [200] * len(PROMPTS)
+    assert [[c["text"] for c in body["choices"]] for _, body in answers] == texts
+    # The server lives on: healthy, every KV block free again, and the next request served exactly.
+    assert get(port, "/health")[0] == 200
+    usage = [line for line in get(port, "/metrics")[1].splitlines() if line.startswith("vllm:kv_cache_usage_perc")]
+    assert usage and all(float(line.rsplit(" ", 1)[1]) == 0.0 for line in usage), usage
+    again = post(port, prompt=PROMPTS[0], max_tokens=MAX_TOKENS)
+    assert again[0] == 200 and again[1]["choices"][0]["text"] == texts[0][0]
+
+
 def test_greedy_tokens_equal_cbcore_engine(server: dict[str, Any], default_dir: Path) -> None:
     from transformers import AutoTokenizer
 

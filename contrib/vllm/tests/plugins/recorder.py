@@ -5,6 +5,8 @@ and that append what they saw to a JSON-lines file (the test reads it from anoth
 from __future__ import annotations
 
 import json
+import os
+import signal
 from collections.abc import Sequence as Seq
 
 from pydantic import BaseModel, ConfigDict
@@ -24,13 +26,25 @@ def _write(path: str | None, **event: object) -> None:
             f.write(json.dumps(event) + "\n")
 
 
+#: What ``key()`` raises for a request whose attrs name it (``{"mischief": "exit", "after": 2}``: once the
+#: request has 2 output tokens): the failures that must end that request alone, inside vLLM too. "sigterm"
+#: sends the process SIGTERM instead: whatever its handler raises is a shutdown, not the policy's failure.
+MISCHIEF = {"raise": lambda: RuntimeError("mischief"), "exit": lambda: SystemExit(3), "interrupt": KeyboardInterrupt}
+
+
 class LongestPromptFirst(QueuePolicy):
-    """Longest prompt first (never what fcfs or priority would do), logging every event it gets."""
+    """Longest prompt first (never what fcfs or priority would do), logging every event it gets; its key
+    raises for a request whose attrs ask for it (MISCHIEF)."""
 
     name = "longest-prompt-first"
     Params = LogParams
 
     def key(self, seq, now):
+        mischief = seq.attrs.get("mischief")
+        if mischief is not None and seq.num_output_tokens >= seq.attrs.get("after", 0):
+            if mischief == "sigterm":
+                os.kill(os.getpid(), signal.SIGTERM)
+            raise MISCHIEF[mischief]()
         return (-seq.num_prompt_tokens, seq.arrival_time, seq.request_id)
 
     def on_arrival(self, seq, now):
