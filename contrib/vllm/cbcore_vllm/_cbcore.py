@@ -30,7 +30,7 @@ from cbcore.scheduling.scheduler import SchedulerError
 
 # The decision check (cbcore_vllm.check): cbcore's engine, config files and workloads.
 from cbcore.engine import Engine  # isort: skip
-from cbcore.config import read_config_file  # isort: skip
+from cbcore.cli.config_files import read_config_file  # isort: skip
 from cbcore.bench.sources import load_workload  # isort: skip
 from cbcore.bench.workload import WorkloadError  # isort: skip
 
