@@ -12,13 +12,13 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Any, Literal, Self, TypeVar
+from typing import Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, StrictBool, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, StrictBool, model_validator
 
 from cbcore.cli.config_files import ConfigError as ConfigError  # raised by from_file / from_dict
-from cbcore.cli.config_files import apply_overrides, read_config_file
-from cbcore.plugins import SLOTS, get_registry, validation_problems
+from cbcore.cli.config_files import apply_overrides, read_config_file, suggests_keys
+from cbcore.plugins import SLOTS, get_registry
 
 CACHE_ENV = "CBCORE_CACHE_DIR"
 
@@ -55,6 +55,7 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
+@suggests_keys
 class SchedulerConfig(Strict):
     """One policy per extension point and the phase order, or ``name`` naming a whole-scheduler replacement."""
 
@@ -87,6 +88,7 @@ MAX_KV_MEMORY_MB = float(2**30)
 MAX_BLOCKS = 2**31
 
 
+@suggests_keys
 class KVCacheConfig(Strict):
     block_size: int = Field(16, gt=0, le=2**16)
     num_blocks: int | None = Field(None, gt=0, le=MAX_BLOCKS)  # None: as many as max_memory_mb holds
@@ -99,6 +101,7 @@ class KVCacheConfig(Strict):
     prefix_caching: StrictBool = True
 
 
+@suggests_keys
 class ModelConfig(Strict):
     path: str | None = None  # HF model directory or hub id; None: the embedded default
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "float32"
@@ -131,6 +134,7 @@ APPLICATION_SECTIONS = {
 }
 
 
+@suggests_keys
 class EngineConfig(Strict):
     """What the engine reads. A config file may hold more (:data:`APPLICATION_SECTIONS`): such a file is
     the applications', loaded whole by ``cbcore.serve.config.Settings``, a subclass of this one."""
@@ -197,20 +201,3 @@ def _non_finite(data: Any) -> tuple[str, float] | None:
         elif isinstance(value, list | tuple):
             stack.extend((f"{where}[{i}]", item) for i, item in enumerate(value))
     return None
-
-
-def format_validation_error(exc: ValidationError) -> str:
-    """One line per problem: ``key.path: message``; an unknown key gets the closest known one suggested
-    (from the fields of the model that failed: this module's, and those registered with :func:`suggests_keys`)."""
-    return "; ".join(validation_problems(exc, _MODELS.get(exc.title)))
-
-
-_MODELS: dict[str, type[BaseModel]] = {m.__name__: m for m in (EngineConfig, SchedulerConfig, KVCacheConfig, ModelConfig)}
-_Model = TypeVar("_Model", bound=type[BaseModel])
-
-
-def suggests_keys(model: _Model) -> _Model:
-    """Class decorator: :func:`format_validation_error` suggests this config model's keys (found by its
-    name, which a ValidationError carries). For the models defined outside this module."""
-    _MODELS[model.__name__] = model
-    return model

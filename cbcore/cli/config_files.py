@@ -5,7 +5,9 @@ flags here, and so do :meth:`cbcore.config.EngineConfig.from_file` and
 ``from_dict``. What comes out is plain data, not yet validated: file paths in
 it (``plugins:`` entries, ``path/to/file.py:Class`` names in a plugin section)
 are made relative to the file, as includes are. YAML aliases are refused
-(:class:`YamlAliasError`): a few nested ones expand without bound.
+(:class:`YamlAliasError`): a few nested ones expand without bound. Once a
+model refuses the data, :func:`format_validation_error` says what is wrong on
+one line, suggesting the closest known key for an unknown one.
 """
 
 from __future__ import annotations
@@ -13,11 +15,12 @@ from __future__ import annotations
 import json
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
+from pydantic import BaseModel, ValidationError
 
-from cbcore.plugins import SLOTS
+from cbcore.plugins import SLOTS, validation_problems
 
 
 class ConfigError(ValueError):
@@ -117,3 +120,20 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         except YamlAliasError as exc:
             raise ConfigError(f"--set {item!r}: {exc}") from None
     return data
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    """One line per problem: ``key.path: message``; an unknown key gets the closest known one suggested
+    (from the fields of the model that failed, when it is registered with :func:`suggests_keys`)."""
+    return "; ".join(validation_problems(exc, _MODELS.get(exc.title)))
+
+
+_MODELS: dict[str, type[BaseModel]] = {}
+_Model = TypeVar("_Model", bound=type[BaseModel])
+
+
+def suggests_keys(model: _Model) -> _Model:
+    """Class decorator: :func:`format_validation_error` suggests this config model's keys (found by its
+    name, which a ValidationError carries)."""
+    _MODELS[model.__name__] = model
+    return model

@@ -10,7 +10,8 @@ engines because it meets the same code.
 
 from __future__ import annotations
 
-from cbcore.config import SLOTS, ConfigError, EngineConfig, format_validation_error
+from cbcore.cli.config_files import ConfigError, format_validation_error
+from cbcore.config import SLOTS, EngineConfig
 from cbcore.plugins import PluginError, get_registry
 from cbcore.scheduling.door import SIGNALLED, Door, PolicyError
 from cbcore.scheduling.policy import (
