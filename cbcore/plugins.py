@@ -52,6 +52,8 @@ BASES = {
     "backend": "cbcore.execution.backend.Backend",
 }
 KINDS = tuple(BASES)
+#: The scheduler's four policy slots (the first four kinds), in the order they are checked.
+SLOTS = KINDS[:4]
 
 
 class NoParams(BaseModel):

@@ -8,7 +8,8 @@ import pytest
 from pydantic import ValidationError
 
 from cbcore.cli.common import engine_config
-from cbcore.config import ConfigError, EngineConfig, format_validation_error
+from cbcore.cli.config_files import format_validation_error
+from cbcore.config import ConfigError, EngineConfig
 from cbcore.serve.config import ServeConfig, Settings
 from cbcore.sim.profiler import QUICK, profile_config
 

@@ -18,8 +18,9 @@ import time
 import pytest
 from pydantic import ValidationError
 
+from cbcore.cli.config_files import format_validation_error
 from cbcore.cli.main import main
-from cbcore.config import ConfigError, EngineConfig, format_validation_error
+from cbcore.config import ConfigError, EngineConfig
 from cbcore.serve.config import Settings
 
 

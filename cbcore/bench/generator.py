@@ -31,7 +31,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from cbcore.bench.workload import BenchRequest, Workload, WorkloadError
-from cbcore.config import format_validation_error
+from cbcore.cli.config_files import format_validation_error
 
 GENERATORS = ("poisson", "gamma")
 

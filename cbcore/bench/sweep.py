@@ -24,7 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from cbcore.bench.generator import GENERATORS, GeneratorSpec, parse_spec
 from cbcore.bench.suite import BenchResult
 from cbcore.bench.workload import Workload, WorkloadError
-from cbcore.config import EngineConfig, format_validation_error
+from cbcore.cli.config_files import format_validation_error
+from cbcore.config import EngineConfig
 from cbcore.log import get_logger
 
 log = get_logger(__name__)

@@ -35,7 +35,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
 
-from cbcore.config import format_validation_error
+from cbcore.cli.config_files import format_validation_error
 from cbcore.scheduling.request import RequestFields
 from cbcore.scheduling.sampling_params import SamplingParams
 

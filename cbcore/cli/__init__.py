@@ -1,1 +1,1 @@
-"""The ``cb`` command line: one module per subcommand."""
+"""The ``cb`` command line: one module per subcommand, and the config files they read (``config_files``)."""

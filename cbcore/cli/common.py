@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from cbcore.config import EngineConfig, read_config_file
+from cbcore.cli.config_files import read_config_file
+from cbcore.config import EngineConfig
 from cbcore.serve.config import Settings
 
 

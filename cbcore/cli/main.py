@@ -127,7 +127,7 @@ def opt_in_process_settings() -> Any:
 
 
 def one_line(exc: BaseException) -> str:
-    from cbcore.config import format_validation_error
+    from cbcore.cli.config_files import format_validation_error
 
     if isinstance(exc, ValidationError):
         return format_validation_error(exc)

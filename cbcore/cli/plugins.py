@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
 def _registry(args: argparse.Namespace) -> Registry:
     """The registry for the config's ``plugins:`` list (the rest of the config is not needed here)."""
     from cbcore.cli.common import config_data
-    from cbcore.config import apply_overrides
+    from cbcore.cli.config_files import apply_overrides
     from cbcore.plugins import get_registry
 
     data = apply_overrides(config_data(args), args.overrides)

@@ -74,44 +74,29 @@ def freeze_attrs(attrs: Mapping[str, Any] | None, max_depth: int = 64) -> Mappin
     return _freeze(attrs, "attrs", max_depth)
 
 
-def _freeze(value: Any, where: str, max_depth: int) -> Any:
-    """Without recursion: each container is copied parent first (an object as a read-only mapping over a
-    dict whose keys keep their order and whose values are filled in as they are reached, an array as a
-    list), and the lists become tuples at the end, children before parents (reversed creation order)."""
-    root: list[Any] = [None]
-    lists: list[tuple[list[Any], Any, Any]] = []  # (items, parent, key in parent)
-    stack: list[tuple[Any, str, int, Any, Any]] = [(value, where, 1, root, 0)]
-    while stack:
-        value, where, depth, parent, slot = stack.pop()
-        if value is None or isinstance(value, bool | str):
-            parent[slot] = value
-        elif isinstance(value, int):
-            parent[slot] = int(value)
-        elif isinstance(value, float):
-            if not math.isfinite(value):
-                raise ValueError(f"{where}: {value!r} is not a JSON number")
-            parent[slot] = value
-        elif isinstance(value, Mapping | list | tuple):
-            if depth > max_depth:
-                shown = where if len(where) <= 200 else where[:200] + "..."
-                raise ValueError(f"{shown}: nested deeper than {max_depth} levels")
-            if isinstance(value, Mapping):
-                if bad := [key for key in value if not isinstance(key, str)]:
-                    raise ValueError(f"{where}: key {bad[0]!r} is not a str")
-                items: Any = dict.fromkeys(value)
-                parent[slot] = MappingProxyType(items)
-                children = [(item, f"{where}.{key}", key) for key, item in value.items()]
-            else:
-                items = [None] * len(value)
-                parent[slot] = items
-                lists.append((items, parent, slot))
-                children = [(item, f"{where}[{i}]", i) for i, item in enumerate(value)]
-            stack.extend((item, path, depth + 1, items, key) for item, path, key in reversed(children))
-        else:
-            raise ValueError(f"{where}: {type(value).__name__} {value!r} is not a JSON value")
-    for items, parent, slot in reversed(lists):
-        parent[slot] = tuple(items)
-    return root[0]
+def _freeze(value: Any, where: str, max_depth: int, depth: int = 1) -> Any:
+    """``value`` as a read-only copy (an object as a read-only mapping in its key order, an array as a
+    tuple), refused by ``where`` when it is not JSON. The depth is checked before each level is entered,
+    so the recursion stays within ``max_depth`` frames, a cycle included."""
+    if value is None or isinstance(value, bool | str):
+        return value
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{where}: {value!r} is not a JSON number")
+        return value
+    if not isinstance(value, Mapping | list | tuple):
+        raise ValueError(f"{where}: {type(value).__name__} {value!r} is not a JSON value")
+    if depth > max_depth:
+        shown = where if len(where) <= 200 else where[:200] + "..."
+        raise ValueError(f"{shown}: nested deeper than {max_depth} levels")
+    if isinstance(value, Mapping):
+        if bad := [key for key in value if not isinstance(key, str)]:
+            raise ValueError(f"{where}: key {bad[0]!r} is not a str")
+        items = {key: _freeze(item, f"{where}.{key}", max_depth, depth + 1) for key, item in value.items()}
+        return MappingProxyType(items)
+    return tuple(_freeze(item, f"{where}[{i}]", max_depth, depth + 1) for i, item in enumerate(value))
 
 
 #: Each field's type and check, for any model that carries it (the server's wire models name the client ``user``).

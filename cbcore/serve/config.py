@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from pydantic import Field, PositiveInt, model_validator
 
-from cbcore.config import EngineConfig, PluginSpec, Strict, suggests_keys
+from cbcore.cli.config_files import suggests_keys
+from cbcore.config import EngineConfig, PluginSpec, Strict
 from cbcore.plugins import get_registry
 
 #: The longest a time limit of the server may be: one day. A longer one is a mistake, and one past what

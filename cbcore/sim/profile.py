@@ -17,7 +17,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
 
-from cbcore.config import format_validation_error
+from cbcore.cli.config_files import format_validation_error
 from cbcore.sim.fitted import FittedCost
 from cbcore.sim.gpu.catalog import GPUS, MODELS, CatalogError, Spec, parse, summary
 from cbcore.sim.gpu.cost import MeasuredCost, StepPricer

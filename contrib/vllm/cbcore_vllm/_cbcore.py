@@ -10,7 +10,8 @@ engines because it meets the same code.
 
 from __future__ import annotations
 
-from cbcore.config import SLOTS, ConfigError, EngineConfig, format_validation_error
+from cbcore.cli.config_files import ConfigError, format_validation_error
+from cbcore.config import SLOTS, EngineConfig
 from cbcore.plugins import PluginError, get_registry
 from cbcore.scheduling.door import SIGNALLED, Door, PolicyError
 from cbcore.scheduling.policy import (
@@ -30,7 +31,7 @@ from cbcore.scheduling.scheduler import SchedulerError
 
 # The decision check (cbcore_vllm.check): cbcore's engine, config files and workloads.
 from cbcore.engine import Engine  # isort: skip
-from cbcore.config import read_config_file  # isort: skip
+from cbcore.cli.config_files import read_config_file  # isort: skip
 from cbcore.bench.sources import load_workload  # isort: skip
 from cbcore.bench.workload import WorkloadError  # isort: skip
 
