@@ -4,9 +4,10 @@ Every ``--config`` x ``--policy`` x ``--backend`` combination is one row (the
 flags that are not given do not multiply); ``--baseline`` adds outside
 baselines on the same requests. All rows run in this process on one model,
 except ``--server URL`` rows (a running `cb serve`, driven over HTTP with
-streaming clients) and, with ``--serve``, one extra row per configuration
-served by a `cb serve` subprocess started for it (``NAME@http``): the same
-trace in process and over the wire, side by side.
+streaming clients; with ``--server`` alone no in-process row runs, as it would
+share the machine with the server) and, with ``--serve``, one extra row per
+configuration served by a `cb serve` subprocess started for it
+(``NAME@http``): the same trace in process and over the wire, side by side.
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from cbcore.cli.main import CLIError
+from cbcore.config import format_validation_error
 
 EPILOG = """\
 workloads:
@@ -115,13 +119,28 @@ def add_row_flags(parser: argparse.ArgumentParser) -> None:
         "--config", action="append", default=[], dest="configs", metavar="FILE", help="engine config (repeatable)"
     )
     parser.add_argument(
-        "--policy", action="append", default=[], dest="policies", metavar="MIX", help="e.g. priority+chunked"
+        "--policy",
+        action="append",
+        default=[],
+        dest="policies",
+        metavar="MIX",
+        help="one row per --policy: a mix such as priority+chunked, with per-row parameters "
+        "'sjf(aging_s=0.5)+chunked(chunk_size=512)' and the phase order (decode-first, prefill-first); "
+        "NAME=MIX names the row; @FILE takes the row's scheduler section from a config file",
     )
     parser.add_argument(
         "--sweep",
         metavar="KEY=V1,V2,...",
         help="run every row at each value of one workload key (e.g. rate=2,3,4,5); --plot then draws "
         "each metric against the value",
+    )
+    parser.add_argument(
+        "--replicates",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run every row on N independently drawn workloads (a generator's seed + i, or a trace's next "
+        "duration_s window) and report each metric as mean ± the half-width of its 95 %% interval",
     )
 
 
@@ -165,25 +184,78 @@ def parse_sweep(args: argparse.Namespace) -> Any:
     return sweep
 
 
+def check_replicates(args: argparse.Namespace) -> None:
+    """``--replicates`` against the workload, before anything loads."""
+    from cbcore.bench.replicates import replicate_specs
+
+    if args.replicates > 1 and args.save_trace:
+        raise CLIError("--save-trace with --replicates: each replicate draws another workload; save one at a time")
+    replicate_specs(args.workload, args.replicates)
+
+
+def row_label(given: str | None) -> tuple[str | None, str | None]:
+    """``NAME=MIX`` -> (NAME, MIX); a bare mix names its own row; ``@FILE`` rows are named by the file."""
+    if given is None:
+        return None, None
+    head, eq, rest = given.partition("=")
+    if eq and head.strip() and all(c.isalnum() or c in "_.-" for c in head.strip()):
+        return head.strip(), rest.strip()
+    if given.startswith("@"):
+        return Path(given[1:]).stem, given
+    return given, given
+
+
+def row_scheduler(mix: str, plugins: tuple[str, ...]) -> dict[str, Any]:
+    """A row's scheduler section: from a policy mix, or ``@FILE`` (a config file's scheduler section)."""
+    from cbcore.cli.common import scheduler_from_mix
+    from cbcore.config import read_config_file
+
+    if not mix.startswith("@"):
+        return scheduler_from_mix(mix, plugins)
+    data = read_config_file(mix[1:])
+    section = data.get("scheduler", data) if isinstance(data, dict) else data
+    if not isinstance(section, dict):
+        raise CLIError(f"--policy {mix}: the file holds no scheduler section")
+    return section
+
+
+def row_refusal(name: str, scheduler: dict[str, Any] | None, exc: Exception) -> str:
+    """A refused row's configuration, naming the row and (where the error is in one slot) its policy."""
+    from cbcore.cli.main import one_line
+
+    text = one_line(exc) if not isinstance(exc, ValidationError) else format_validation_error(exc)
+    for slot in ("queue", "budget", "prefill", "preemption"):
+        if f"scheduler.{slot}" in text:
+            policy = ((scheduler or {}).get(slot) or {}).get("name") or "the config's or default"
+            return f"row {name!r}: {slot} policy {policy!r}: {text}"
+    return f"row {name!r}: {text}"
+
+
 def build_configs(args: argparse.Namespace) -> list[tuple[str, Any]]:
     """One (row name, EngineConfig) per combination of --config, --policy and --backend."""
-    from cbcore.cli.common import config_data, engine_config, scheduler_from_mix
+    from cbcore.cli.common import config_data, engine_config
+    from cbcore.config import ConfigError
+    from cbcore.plugins import PluginError
 
     rows = []
     for path in args.configs or [None]:
         ns = copy.copy(args)
         ns.config = path
         plugins = tuple(config_data(ns).get("plugins") or ())
-        for mix in args.policies or [None]:
+        for given in args.policies or [None]:
+            label, mix = row_label(given)
             for backend in args.backends or [None]:
                 extra: dict[str, Any] = {}
                 if mix is not None:
-                    extra["scheduler"] = scheduler_from_mix(mix, plugins)
+                    extra["scheduler"] = row_scheduler(mix, plugins)
                 if backend is not None:
                     extra["backend"] = {"name": backend}
-                parts = [Path(path).stem if path else None, mix, backend]
+                parts = [Path(path).stem if path else None, label, backend]
                 name = "/".join(p for p in parts if p) or "default"
-                rows.append((name, engine_config(ns, extra)))
+                try:
+                    rows.append((name, engine_config(ns, extra)))
+                except (ValueError, ConfigError, PluginError) as exc:
+                    raise CLIError(row_refusal(name, extra.get("scheduler"), exc)) from None
     if (len(args.configs) > 1 and args.policies) or (args.configs and len(args.policies) > 1):
         print(
             f"cb: note: {len(args.configs)} --config x {len(args.policies)} --policy = {len(rows)} rows "
@@ -212,11 +284,17 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.repeat < 1:
         raise CLIError(f"--repeat must be >= 1, got {args.repeat}")
+    check_replicates(args)
     slo = SLO.parse(args.slo) if args.slo else None
     sweep = parse_sweep(args)
     # A trace or spec is checked before the (slow) model load; drawing prompts needs the vocabulary.
     workload = None if is_generator(args.workload) else load_workload(args.workload)
     configs = build_configs(args)
+    local = configs
+    if args.servers and not (args.configs or args.policies or args.backends):
+        local = []  # the servers are what is measured; an in-process row beside them would share their cores
+        print("cb: note: --server: no in-process row (give --policy, --config or --backend to add one)",
+              file=sys.stderr)  # fmt: skip
     batch_size, batch_tokens = baseline_limits(configs)
     batch_size = args.batch_size or batch_size
 
@@ -247,7 +325,7 @@ def run(args: argparse.Namespace) -> int:
             api_key=args.api_key or os.environ.get("CBCORE_API_KEY"),
         )
         draw = partial(load_workload, vocab_size=vocab, special_ids=special)
-        return run_rows(args, "cb bench", sweep, configs, suite, draw, workload)
+        return run_rows(args, "cb bench", sweep, local, suite, draw, workload)
 
 
 def run_rows(
@@ -266,16 +344,24 @@ def run_rows(
     one already read); with ``jobs`` > 1 the points run in worker processes.
     Returns the exit status: 1 when a row failed.
     """
+    from cbcore.bench.replicates import combine, replicate_specs
+    from cbcore.bench.sweep import draw_points, merge, run_specs
+
+    specs = replicate_specs(args.workload, args.replicates)
     if sweep is None:
         workload = workload if workload is not None else draw(args.workload)
         if args.save_trace:
             workload.save(args.save_trace)
-        result = suite(workload, configs)
+        workloads = [workload, *[None] * (len(specs) - 1)]
+        results = run_specs(specs, configs, suite, jobs=jobs, draw=draw, workloads=workloads)
     else:
-        from cbcore.bench.sweep import draw_points, run_sweep
-
-        points = draw_points(sweep, args.workload, draw)
-        result = run_sweep(sweep, points, configs, suite, jobs=jobs, draw=draw)
+        per_replicate = [draw_points(sweep, spec, draw) for spec in specs]
+        flat = [p for points in per_replicate for p in points]
+        parts = run_specs([p.spec for p in flat], configs, suite, jobs=jobs, draw=draw,
+                          workloads=[p.workload for p in flat])  # fmt: skip
+        k = len(sweep.values)
+        results = [merge(sweep, points, parts[i * k : (i + 1) * k]) for i, points in enumerate(per_replicate)]
+    result = results[0] if len(results) == 1 else combine(results, specs)
     write_reports(result, args, command)
     for row in result.rows:
         for note in row.get("notes", ()):
