@@ -166,7 +166,7 @@ def _sig(value: float) -> str:
 
 def ratios(rows: Seq[dict[str, Any]]) -> dict[str, float]:
     """Output tokens/s of the best cbcore row over each baseline's."""
-    rows = [r for r in rows if "error" not in r]
+    rows = [r for r in rows if "error" not in r and "output_tokens_per_s" in r]  # capacity rows have none
     ours = [r for r in rows if r["kind"] == "cbcore"]
     if not ours:
         return {}
@@ -183,7 +183,8 @@ def ratio_lines(rows: Seq[dict[str, Any]]) -> list[str]:
     if not found:
         return []
     best = max(
-        (r for r in rows if r["kind"] == "cbcore" and "error" not in r), key=lambda r: r["output_tokens_per_s"]
+        (r for r in rows if r["kind"] == "cbcore" and "error" not in r and "output_tokens_per_s" in r),
+        key=lambda r: r["output_tokens_per_s"],
     )
     return [f"{best['name']} vs {name}: {x:.2f}x output tokens/s" for name, x in found.items()]
 

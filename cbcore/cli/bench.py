@@ -135,6 +135,13 @@ def add_row_flags(parser: argparse.ArgumentParser) -> None:
         "each metric against the value",
     )
     parser.add_argument(
+        "--capacity",
+        metavar="SLO",
+        help="search each row's capacity: the highest rate= meeting SLO, 'sarathi:tbt=MS[,delay=MS]' (P99 time "
+        "between tokens, median scheduling delay, default 2000 ms) or 'attainment:p=PCT,ttft=MS,tpot=MS'; "
+        "search keys start=, tol= (default 0.05), min_rate=, max_rate=, max_runs=",
+    )
+    parser.add_argument(
         "--replicates",
         type=int,
         default=1,
@@ -158,12 +165,22 @@ def write_reports(result: Any, args: argparse.Namespace, command: str) -> None:
     """The table on stdout, then the files the report flags asked for (plots titled by ``command``)."""
     from cbcore.bench import report
 
-    print(report.table(result))
+    capacity = "capacity" in result.workload
+    if capacity:
+        from cbcore.bench.capacity_report import capacity_table
+
+        print(capacity_table(result))
+    else:
+        print(report.table(result))
     if args.json:
         report.write_json(result, args.json)
     if args.csv:
         report.write_csv(result, args.csv)
-    if args.plot and "sweep" in result.workload:
+    if args.plot and capacity:
+        from cbcore.bench.capacity_report import plot_capacity
+
+        plot_capacity(result, args.plot, command)
+    elif args.plot and "sweep" in result.workload:
         from cbcore.bench.sweep_report import plot_sweep
 
         plot_sweep(result, args.plot, command)
@@ -184,13 +201,33 @@ def parse_sweep(args: argparse.Namespace) -> Any:
     return sweep
 
 
-def check_replicates(args: argparse.Namespace) -> None:
-    """``--replicates`` against the workload, before anything loads."""
+def check_replicates(args: argparse.Namespace) -> Any:
+    """``--replicates`` and ``--capacity`` against the workload, before anything loads.
+
+    Returns the SLO the suite scores (``--slo``, or the attainment objective's).
+    """
+    from cbcore.bench.metrics import SLO
     from cbcore.bench.replicates import replicate_specs
 
     if args.replicates > 1 and args.save_trace:
         raise CLIError("--save-trace with --replicates: each replicate draws another workload; save one at a time")
     replicate_specs(args.workload, args.replicates)
+    slo = SLO.parse(args.slo) if args.slo else None
+    if not args.capacity:
+        return slo
+    from cbcore.bench.capacity import Objective, rate_spec
+    from cbcore.bench.replicates import _is_file
+
+    objective = Objective.parse(args.capacity)
+    if args.sweep or args.save_trace:
+        raise CLIError("--capacity varies rate= itself: it takes no --sweep or --save-trace")
+    if _is_file(args.workload.strip()):
+        raise CLIError(f"--capacity needs a workload with a rate= key (a generator or a trace spec), got {args.workload!r}")
+    rate_spec(args.workload, 1.0)
+    wanted = objective.slo()
+    if wanted is not None and slo is not None and slo != wanted:
+        raise CLIError(f"--slo {args.slo} differs from the attainment objective of --capacity; give one")
+    return wanted or slo
 
 
 def row_label(given: str | None) -> tuple[str | None, str | None]:
@@ -270,7 +307,6 @@ def build_configs(args: argparse.Namespace) -> list[tuple[str, Any]]:
 
 def run(args: argparse.Namespace) -> int:
     from cbcore.bench.generator import is_generator
-    from cbcore.bench.metrics import SLO
     from cbcore.bench.sources import load_workload
     from cbcore.bench.suite import baseline_limits, run_suite
 
@@ -284,8 +320,7 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.repeat < 1:
         raise CLIError(f"--repeat must be >= 1, got {args.repeat}")
-    check_replicates(args)
-    slo = SLO.parse(args.slo) if args.slo else None
+    slo = check_replicates(args)
     sweep = parse_sweep(args)
     # A trace or spec is checked before the (slow) model load; drawing prompts needs the vocabulary.
     workload = None if is_generator(args.workload) else load_workload(args.workload)
@@ -318,7 +353,7 @@ def run(args: argparse.Namespace) -> int:
             batch_size=batch_size,
             batch_tokens=batch_tokens,
             slo=slo,
-            reference=not args.no_reference,
+            reference=not (args.no_reference or args.capacity),  # a search's many runs are not checked
             repeat=args.repeat,
             progress=progress_factory(args.no_progress),
             servers=servers,
@@ -344,10 +379,19 @@ def run_rows(
     one already read); with ``jobs`` > 1 the points run in worker processes.
     Returns the exit status: 1 when a row failed.
     """
-    from cbcore.bench.replicates import combine, replicate_specs
+    from cbcore.bench.replicates import combine, method, replicate_specs
     from cbcore.bench.sweep import draw_points, merge, run_specs
 
     specs = replicate_specs(args.workload, args.replicates)
+    if args.capacity:
+        from cbcore.bench.capacity import Objective, run_capacity
+
+        kind = "simulated" if command == "cb simulate" else "cbcore"
+        result = run_capacity(specs, configs, suite, draw, Objective.parse(args.capacity), kind=kind, jobs=jobs)
+        if len(specs) > 1:
+            result.workload["capacity"]["method"] = method(args.workload, len(specs))
+        write_reports(result, args, command)
+        return 1 if any("error" in row for row in result.rows) else 0
     if sweep is None:
         workload = workload if workload is not None else draw(args.workload)
         if args.save_trace:
