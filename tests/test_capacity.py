@@ -39,7 +39,7 @@ def draw(spec: str) -> str:  # the fake suite reads the spec itself
 @pytest.mark.parametrize("threshold", [0.37, 1.0, 3.7, 150.0])
 def test_the_search_finds_a_planted_threshold_within_its_tolerance(threshold: float) -> None:
     suite = FlipSuite({0: threshold})
-    result = run_capacity(["poisson:n=10,seed=0"], [("row", None)], suite, draw, SARATHI, kind="simulated")
+    result = run_capacity(["poisson:n=10,seed=0"], [("row", None)], suite, draw, [SARATHI], kind="simulated")
     (row,) = result.rows
     (found,) = row["searches"]
     assert found["converged"] and found["censored"] is None
@@ -66,7 +66,7 @@ def test_replicates_give_a_capacity_per_replicate_and_an_interval() -> None:
     suite = FlipSuite({0: 2.0, 1: 2.5, 2: 3.0})
     specs = ["gamma:n=9,seed=0", "gamma:n=9,seed=1", "gamma:n=9,seed=2"]
     objective = Objective.parse("attainment:p=90,ttft=500,tpot=50,start=1")
-    (row,) = run_capacity(specs, [("a", None)], suite, draw, objective, kind="cbcore").rows
+    (row,) = run_capacity(specs, [("a", None)], suite, draw, [objective], kind="cbcore").rows
     caps = row["replicate_values"]["capacity_req_s"]
     assert all(t * 0.95 <= c <= t for c, t in zip(caps, (2.0, 2.5, 3.0), strict=True))
     assert row["ci95"]["capacity_req_s"] > 0 and row["capacity_req_s"] == pytest.approx(sum(caps) / 3)
@@ -89,13 +89,15 @@ def test_cb_simulate_capacity_with_replicates_end_to_end(tmp_path: Path, capsys)
     out, png = tmp_path / "c.json", tmp_path / "c.png"
     rc = main(["simulate", "--profile", "h200-llama-3-8b", "--no-progress", "--set", "scheduler.budget.max_num_seqs=2",
                "--workload", "poisson:n=24,lengths=fixed,input_len=64,output_len=16,seed=0", "--policy", "fcfs",
-               "--capacity", "sarathi:tbt=50,delay=500,start=8,tol=0.1", "--replicates", "2",
-               "--json", str(out), "--plot", str(png)])  # fmt: skip
+               "--capacity", "sarathi:tbt=50,delay=500,start=8,tol=0.1", "--capacity", "sarathi:tbt=50,delay=5000,tol=0.2",
+               "--replicates", "2", "--json", str(out), "--plot", str(png)])  # fmt: skip
     assert rc == 0
     table = capsys.readouterr().out
-    assert "capacity: the highest arrival rate (req/s) with P99 time between tokens <= 50 ms" in table
+    assert "capacity: the highest arrival rate (req/s) with P99 time between tokens <= 50 ms and median " \
+           "scheduling delay <= 500 ms" in table and "delay <= 5000 ms" in table  # fmt: skip
     assert "fcfs [replicate 1]:" in table and "2 replicates" in table
-    (row,) = json.loads(out.read_text())["rows"]
+    row, relaxed = json.loads(out.read_text())["rows"]
+    assert relaxed["objective_index"] == 1 and relaxed["capacity_req_s"] >= row["capacity_req_s"] * 0.9
     assert row["capacity_req_s"] > 0 and len(row["searches"]) == 2
     for s in row["searches"]:
         assert s["upper"] - s["capacity"] <= 0.1 * s["capacity"]

@@ -254,39 +254,45 @@ def run_capacity(
     configs: Seq[tuple[str, Any]],
     suite: Suite,
     draw: Callable[[str], Workload],
-    objective: Objective,
+    objectives: Seq[Objective],
     *,
     kind: str,
     jobs: int = 1,
 ) -> BenchResult:
-    """Every row's search on every replicate's spec; one capacity row per configuration.
+    """Every row's search under every objective on every replicate's spec; one capacity row per
+    (objective, configuration), grouped by objective.
 
-    With ``jobs`` > 1 the searches (row x replicate) run in worker processes,
-    each search's runs one after another; ``suite`` and ``draw`` must pickle.
+    With ``jobs`` > 1 the searches run in worker processes, each search's runs
+    one after another; ``suite`` and ``draw`` must pickle.
     """
-    tasks = [(i, j) for j in range(len(configs)) for i in range(len(specs))]
+    tasks = [(k, j, i) for k in range(len(objectives)) for j in range(len(configs)) for i in range(len(specs))]
+
+    def task(k: int, j: int, i: int) -> tuple[Any, ...]:
+        return (suite, draw, specs[i], configs[j], objectives[k])
+
     if jobs > 1 and len(tasks) > 1:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
 
         spawn = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=spawn) as pool:
-            futures = {(i, j): pool.submit(search_row, suite, draw, specs[i], configs[j], objective) for i, j in tasks}
-            found = {key: f.result() for key, f in futures.items()}
+            futures = {t: pool.submit(search_row, *task(*t)) for t in tasks}
+            found = {t: f.result() for t, f in futures.items()}
     else:
-        found = {(i, j): search_row(suite, draw, specs[i], configs[j], objective) for i, j in tasks}
-    rows = [
-        summarize_search(name, kind, [found[(i, j)] for i in range(len(specs))], objective)
-        for j, (name, _) in enumerate(configs)
-    ]
+        found = {t: search_row(*task(*t)) for t in tasks}
+    rows = []
+    for k, objective in enumerate(objectives):
+        for j, (name, _) in enumerate(configs):
+            row = summarize_search(name, kind, [found[(k, j, i)] for i in range(len(specs))], objective)
+            rows.append({**row, "objective_index": k})
     workload = {
         "name": specs[0],
         "num_requests": None,
         "arrival_span_s": None,
         "capacity": {
-            "objective": objective.describe(),
-            "spec": objective.model_dump(exclude_defaults=True),
-            "tolerance": objective.tol,
+            "objectives": [o.describe() for o in objectives],
+            "specs_objective": [o.model_dump(exclude_defaults=True) for o in objectives],
+            "tolerances": [o.tol for o in objectives],
             "replicates": len(specs),
             "specs": list(specs),
         },

@@ -15,19 +15,26 @@ SHOW = {"itl_p99_s": (1000, "ms"), "queue_p50_s": (1000, "ms"), "slo_attainment"
 
 def capacity_table(result: BenchResult) -> str:
     info = result.workload["capacity"]
-    kind = info["spec"]["kind"]
-    bounds = BOUNDS[kind]
-    lines = [
-        f"workload {result.workload['name']} at varied rate=",
-        f"capacity: the highest arrival rate (req/s) with {info['objective']}",
-        f"search: from the start rate, doubling or halving until one rate meets it and one misses, then bisecting "
-        f"to within {100 * info['tolerance']:g} % (the threshold lies between the capacity and the next rate tried)",
-    ]
+    lines = [f"workload {result.workload['name']} at varied rate="]
     if info.get("method"):
         lines.append(f"{info['method']}; capacity: mean ± half-width of the 95 % interval")
+    for k, objective in enumerate(info["objectives"]):
+        rows = [r for r in result.rows if r.get("objective_index") == k]
+        lines.append("")
+        lines.extend(_objective_table(objective, info["specs_objective"][k], info["tolerances"][k], rows))
+    return "\n".join(lines)
+
+
+def _objective_table(objective: str, spec: dict[str, Any], tol: float, rows: Seq[dict[str, Any]]) -> list[str]:
+    bounds = BOUNDS[spec["kind"]]
+    lines = [
+        f"capacity: the highest arrival rate (req/s) with {objective}",
+        f"search: from the start rate, doubling or halving until one rate meets it and one misses, then bisecting "
+        f"to within {100 * tol:g} % (the threshold lies between the capacity and the next rate tried)",
+    ]
     header = ["config", "capacity req/s", "per replicate", "runs", *(f"{b[3]} at cap." for b in bounds), "failed at cap."]
     body = []
-    for row in result.rows:
+    for row in rows:
         if "error" in row:
             continue
         half = row["ci95"]["capacity_req_s"]
@@ -43,23 +50,24 @@ def capacity_table(result: BenchResult) -> str:
         cells.append("-" if failed is None else f"{failed:g}")
         body.append(cells)
     widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
-    fmt = lambda cells: "  ".join(  # noqa: E731
-        [cells[0].ljust(widths[0]), *(c.rjust(w) for c, w in zip(cells[1:], widths[1:], strict=True))]
-    )
+
+    def fmt(cells: Seq[str]) -> str:
+        return "  ".join([cells[0].ljust(widths[0]), *(c.rjust(w) for c, w in zip(cells[1:], widths[1:], strict=True))])
+
     lines += [fmt(header), fmt(["-" * w for w in widths]), *(fmt(b) for b in body)]
-    lines.extend(f"{r['name']}: FAILED: {r['error']}" for r in result.rows if "error" in r)
+    lines.extend(f"{r['name']}: FAILED: {r['error']}" for r in rows if "error" in r)
     lines.append("points visited (rate in req/s; + met the objective, - missed it):")
-    for row in result.rows:
+    for row in rows:
         for i, s in enumerate(row.get("searches", ())):
             points = " ".join(f"{v['rate']:.4g}{'+' if v['meets'] else '-'}" for v in s["visited"])
             tag = f" [replicate {i}]" if len(row["searches"]) > 1 else ""
             note = "" if s["converged"] else " (stopped at max_runs before the tolerance was reached)"
             lines.append(f"  {row['name']}{tag}: {points}{note}")
-    return "\n".join(lines)
+    return lines
 
 
 def plot_capacity(result: BenchResult, path: str | Path, command: str) -> None:
-    """Each bound's measured value against the rate at every visited point, and the capacities with intervals."""
+    """Per objective: each bound's value against the rate at every visited point, and the capacities."""
     try:
         import matplotlib
     except ImportError:
@@ -68,33 +76,40 @@ def plot_capacity(result: BenchResult, path: str | Path, command: str) -> None:
     import matplotlib.pyplot as plt
 
     info = result.workload["capacity"]
-    spec = info["spec"]
-    bounds = BOUNDS[spec["kind"]]
-    rows = [r for r in result.rows if "error" not in r]
-    fig, axes = plt.subplots(1, len(bounds) + 1, figsize=(6 * (len(bounds) + 1), 5))
-    color = {r["name"]: f"C{i % 10}" for i, r in enumerate(rows)}
-    for ax, (key, field, scale, label) in zip(axes, bounds, strict=False):
-        show, unit = SHOW.get(key, (1, ""))
-        for row in rows:
-            _points(ax, row, key, show, color[row["name"]])
-        limit = float(spec.get(field, 2000.0 if field == "delay" else 0.0)) * scale * show
-        ax.axhline(limit, color="black", ls="--", lw=1, label=f"objective {limit:g} {unit}")
-        ax.set_xlabel("arrival rate (req/s)")
-        ax.set_ylabel(f"{label} ({unit})")
-        ax.set_title(f"{label} at each rate tried (filled: met)")
-        if key.endswith("_s"):
-            ax.set_yscale("log")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    bar = axes[-1]
-    names = [r["name"] for r in rows]
-    bar.barh(names, [r["capacity_req_s"] for r in rows], color=[color[n] for n in names],
-             xerr=[r["ci95"]["capacity_req_s"] or 0.0 for r in rows])  # fmt: skip
-    bar.invert_yaxis()
-    bar.set_xlabel("capacity (req/s)")
-    bar.set_title(f"capacity ({info['replicates']} replicate(s); bars: 95 % intervals)")
-    bar.grid(alpha=0.3, axis="x")
-    fig.suptitle(f"{command}: capacity of {result.workload['name']}\n{info['objective']}")
+    specs = info["specs_objective"]
+    width = max(len(BOUNDS[s["kind"]]) for s in specs) + 1
+    fig, grid = plt.subplots(len(specs), width, figsize=(5.5 * width, 4.6 * len(specs)), squeeze=False)
+    names = list(dict.fromkeys(r["name"] for r in result.rows))
+    color = {n: f"C{i % 10}" for i, n in enumerate(names)}
+    for k, spec in enumerate(specs):
+        axes = grid[k]
+        rows = [r for r in result.rows if r.get("objective_index") == k and "error" not in r]
+        bounds = BOUNDS[spec["kind"]]
+        for ax, (key, field, scale, label) in zip(axes, bounds, strict=False):
+            show, unit = SHOW.get(key, (1, ""))
+            for row in rows:
+                _points(ax, row, key, show, color[row["name"]])
+            limit = float(spec.get(field, 2000.0 if field == "delay" else 0.0)) * scale * show
+            ax.axhline(limit, color="black", ls="--", lw=1, label=f"objective {limit:g} {unit}")
+            ax.set_xlabel("arrival rate (req/s)")
+            ax.set_ylabel(f"{label} ({unit})")
+            ax.set_title(f"{label}, each rate tried (filled: met)", fontsize=10)
+            if key.endswith("_s"):
+                ax.set_yscale("log")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        for ax in axes[len(bounds) : -1]:
+            ax.axis("off")
+        bar = axes[-1]
+        labels = [r["name"] for r in rows]
+        bar.barh(labels, [r["capacity_req_s"] for r in rows], color=[color[n] for n in labels],
+                 xerr=[r["ci95"]["capacity_req_s"] or 0.0 for r in rows])  # fmt: skip
+        bar.invert_yaxis()
+        bar.set_xlabel("capacity (req/s)")
+        bar.set_title(f"capacity: {info['objectives'][k]}", fontsize=9)
+        bar.grid(alpha=0.3, axis="x")
+    reps = info["replicates"]
+    fig.suptitle(f"{command}: capacity of {result.workload['name']} ({reps} replicate(s); bars: 95 % intervals)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -34,7 +34,7 @@ workloads:
   FILE.jsonl                            a trace (see --save-trace), replayed exactly
   poisson:n=64,rate=2,lengths=sharegpt,seed=0
       keys: n, rate (req/s, inf = all at t=0), burstiness (1 = Poisson), lengths (fixed, uniform,
-      sharegpt), input_len, output_len (means), range_ratio, sigma, max_input, max_output,
+      sharegpt, or arxiv-summarization: Sarathi-Serve's measured (prompt, output) pairs), input_len, output_len (means), range_ratio, sigma, max_input, max_output,
       clients (a:3/b:1), priorities (0:1/1:3), ignore_eos, seed,
       deadlines (mean deadline_s per priority class, 0:2/1:30; classes not named get none),
       deadline_spread (each deadline drawn uniformly in mean * [1 - s, 1 + s], default 0.5;
@@ -136,8 +136,10 @@ def add_row_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--capacity",
+        action="append",
+        default=[],
         metavar="SLO",
-        help="search each row's capacity: the highest rate= meeting SLO, 'sarathi:tbt=MS[,delay=MS]' (P99 time "
+        help="search each row's capacity (repeatable: each row under each SLO): the highest rate= meeting SLO, 'sarathi:tbt=MS[,delay=MS]' (P99 time "
         "between tokens, median scheduling delay, default 2000 ms) or 'attainment:p=PCT,ttft=MS,tpot=MS'; "
         "search keys start=, tol= (default 0.05), min_rate=, max_rate=, max_runs=",
     )
@@ -218,16 +220,16 @@ def check_replicates(args: argparse.Namespace) -> Any:
     from cbcore.bench.capacity import Objective, rate_spec
     from cbcore.bench.replicates import _is_file
 
-    objective = Objective.parse(args.capacity)
+    objectives = [Objective.parse(text) for text in args.capacity]
     if args.sweep or args.save_trace:
         raise CLIError("--capacity varies rate= itself: it takes no --sweep or --save-trace")
     if _is_file(args.workload.strip()):
         raise CLIError(f"--capacity needs a workload with a rate= key (a generator or a trace spec), got {args.workload!r}")
     rate_spec(args.workload, 1.0)
-    wanted = objective.slo()
-    if wanted is not None and slo is not None and slo != wanted:
-        raise CLIError(f"--slo {args.slo} differs from the attainment objective of --capacity; give one")
-    return wanted or slo
+    wanted = {o.slo() for o in objectives} - {None}
+    if len(wanted) > 1 or (wanted and slo is not None and wanted != {slo}):
+        raise CLIError("--capacity: the attainment objectives and --slo must name the same TTFT and TPOT")
+    return wanted.pop() if wanted else slo
 
 
 def row_label(given: str | None) -> tuple[str | None, str | None]:
@@ -387,7 +389,8 @@ def run_rows(
         from cbcore.bench.capacity import Objective, run_capacity
 
         kind = "simulated" if command == "cb simulate" else "cbcore"
-        result = run_capacity(specs, configs, suite, draw, Objective.parse(args.capacity), kind=kind, jobs=jobs)
+        objectives = [Objective.parse(text) for text in args.capacity]
+        result = run_capacity(specs, configs, suite, draw, objectives, kind=kind, jobs=jobs)
         if len(specs) > 1:
             result.workload["capacity"]["method"] = method(args.workload, len(specs))
         write_reports(result, args, command)
