@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from statistics import fmean
 from typing import Any
 
+from cbcore.bench.service import backlogged_gap, service_curves
 from cbcore.bench.workload import BenchRequest
 from cbcore.outputs import RequestMetrics, RequestOutput, StepStats
 
@@ -283,6 +284,8 @@ def summarize(
     )
     clients = client_service(requests, outputs)
     row.update(fairness_spread=fairness_spread(clients), clients=clients)
+    if len(clients) > 1:
+        row.update(service_gap_backlogged=backlogged_gap(requests, outputs), service_curves=service_curves(requests, outputs))
     row.update(step_summary(steps, busy_s))
     row.setdefault("engine_overhead_share", None)
     return row

@@ -39,6 +39,7 @@ COLUMNS: tuple[tuple[str, str, float, str], ...] = (
     ("prefix hit", "prefix_cache_hit_rate", 100, "{:.1f}%"),
     ("overhead", "engine_overhead_share", 100, "{:.1f}%"),
     ("fair", "fairness_spread", 1, "{:.2f}"),
+    ("svc gap", "service_gap_backlogged", 1, "{:.0f}"),
     ("RSS MB", "rss_peak_mb", 1, "{:.0f}"),
     ("KV MB", "kv_pool_mb", 1, "{:.0f}"),
     ("=ref", "identical_to_reference", 1, "{}"),
@@ -229,7 +230,9 @@ def plot(result: BenchResult, path: str | Path, command: str = "cb bench") -> No
     )
     ok = [r for r in result.rows if "error" not in r]
     with_classes = any(r.get("classes") for r in ok)
-    fig, axes = plt.subplots(3 if with_classes else 2, 3, figsize=(15, 12.5 if with_classes else 8.5))
+    served = [r for r in ok if r.get("service_curves")][:3]
+    n_rows = 2 + with_classes + bool(served)
+    fig, axes = plt.subplots(n_rows, 3, figsize=(15, 4.2 * n_rows + 0.1))
     color = {r["name"]: f"C{i % 10}" for i, r in enumerate(result.rows)}
     for ax, (key, title) in zip(axes.flat, panels, strict=False):
         seen: list[float] = []
@@ -265,12 +268,34 @@ def plot(result: BenchResult, path: str | Path, command: str = "cb bench") -> No
         ):
             _class_bars(ax, ok, key, scale, color)
             ax.set_title(f"per class: {title}")
+    if served:
+        base = 6 + 3 * with_classes
+        for ax, row in zip(axes.flat[base:], served, strict=False):
+            _service_panel(ax, row, bool(result.workload.get("replicates")))
+        for ax in axes.flat[base + len(served) :]:
+            ax.axis("off")
     reps = result.workload.get("replicates")
     extra = f", {reps['n']} replicates; bands and bars: 95 % intervals" if reps else ""
     fig.suptitle(f"{command}: {result.workload['name']} ({result.workload['num_requests']} requests{extra})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _service_panel(ax: Any, row: dict[str, Any], replicated: bool) -> None:
+    """Each client's accumulated weighted service over the run (the first replicate's, with replicates)."""
+    curves = row["service_curves"]
+    for client, values in curves["clients"].items():
+        ax.plot(curves["t_s"], values, label=client)
+    w = curves["weights"]
+    gap = row.get("service_gap_backlogged")
+    ax.set_title(f"{row['name']}: service per client" + (" (replicate 0)" if replicated else ""), fontsize=10)
+    ax.set_xlabel("s from the first arrival")
+    ax.set_ylabel(f"input x {w['input']:g} + output x {w['output']:g} tokens")
+    if gap is not None:
+        ax.text(0.02, 0.95, f"largest gap while both backlogged: {gap:,.0f}", transform=ax.transAxes, va="top", fontsize=8)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
 
 
 def _cdf_band(ax: Any, replicates: Seq[dict[str, list[float]]], key: str, color: str) -> None:
