@@ -68,13 +68,9 @@ def _objective_table(objective: str, spec: dict[str, Any], tol: float, rows: Seq
 
 def plot_capacity(result: BenchResult, path: str | Path, command: str) -> None:
     """Per objective: each bound's value against the rate at every visited point, and the capacities."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise RuntimeError("--plot needs matplotlib: pip install 'cbcore[plot]'") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from cbcore.bench.report import pyplot
 
+    plt = pyplot()
     info = result.workload["capacity"]
     specs = info["specs_objective"]
     width = max(len(BOUNDS[s["kind"]]) for s in specs) + 1

@@ -212,8 +212,8 @@ def write_csv(result: BenchResult, path: str | Path) -> None:
             writer.writerow({k: json.dumps(v) if isinstance(v, dict | list) else v for k, v in row.items()})
 
 
-def plot(result: BenchResult, path: str | Path, command: str = "cb bench") -> None:
-    """Latency CDFs (TTFT, TPOT, ITL, e2e, queue) and output tokens/s, one colour per row; titled ``command``."""
+def pyplot() -> Any:
+    """matplotlib's pyplot on the file-only Agg backend, or a clear error naming the extra to install."""
     try:
         import matplotlib
     except ImportError:
@@ -221,6 +221,12 @@ def plot(result: BenchResult, path: str | Path, command: str = "cb bench") -> No
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def plot(result: BenchResult, path: str | Path, command: str = "cb bench") -> None:
+    """Latency CDFs (TTFT, TPOT, ITL, e2e, queue) and output tokens/s, one colour per row; titled ``command``."""
+    plt = pyplot()
     panels = (
         ("ttft", "TTFT"),
         ("tpot", "TPOT"),

@@ -32,13 +32,9 @@ PANELS = (
 
 def plot_sweep(result: BenchResult, path: str | Path, command: str) -> None:
     """Write the sweep figure to ``path`` (PNG); ``command`` titles it (``cb simulate``, ``cb bench``)."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise RuntimeError("--plot needs matplotlib: pip install 'cbcore[plot]'") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from cbcore.bench.report import pyplot
 
+    plt = pyplot()
     sweep = result.workload["sweep"]
     key, values = sweep["key"], sweep["values"]
     numeric = all(isinstance(v, float) for v in values)
