@@ -135,7 +135,10 @@ def _rate(row: dict[str, Any]) -> str:
 
 
 #: Metric -> (label, scale, unit) for the lines on differences between rows.
-DIFF_LABELS = {key: (header, scale, "ms" if scale == 1000 else "") for header, key, scale, _ in COLUMNS}
+DIFF_LABELS = {key: (header, scale, "ms" if scale == 1000 else "") for header, key, scale, _ in COLUMNS} | {
+    "queue_p50_s": ("queue p50", 1000, "ms"),
+    "recomputed_tokens": ("recomputed tokens", 1, ""),
+}
 
 
 def difference_lines(result: BenchResult) -> list[str]:
