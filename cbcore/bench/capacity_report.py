@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence as Seq
 from pathlib import Path
 from typing import Any
@@ -102,7 +103,7 @@ def plot_capacity(result: BenchResult, path: str | Path, command: str) -> None:
                  xerr=[r["ci95"]["capacity_req_s"] or 0.0 for r in rows])  # fmt: skip
         bar.invert_yaxis()
         bar.set_xlabel("capacity (req/s)")
-        bar.set_title(f"capacity: {info['objectives'][k]}", fontsize=9)
+        bar.set_title("capacity:\n" + textwrap.fill(info["objectives"][k], 60), fontsize=9)
         bar.grid(alpha=0.3, axis="x")
     reps = info["replicates"]
     fig.suptitle(f"{command}: capacity of {result.workload['name']} ({reps} replicate(s); bars: 95 % intervals)")

@@ -270,7 +270,7 @@ def plot(result: BenchResult, path: str | Path, command: str = "cb bench") -> No
     bar.grid(alpha=0.3, axis="x")
     if with_classes:
         for ax, (key, title, scale) in zip(
-            axes.flat[6:],
+            axes.flat[6:9],
             (("ttft_p50_s", "TTFT p50 (ms)", 1000), ("tpot_p50_s", "TPOT p50 (ms)", 1000),
              ("deadline_attainment", "deadline attainment (%)", 100)),
             strict=True,
@@ -284,7 +284,7 @@ def plot(result: BenchResult, path: str | Path, command: str = "cb bench") -> No
         for ax in axes.flat[base + len(served) :]:
             ax.axis("off")
     reps = result.workload.get("replicates")
-    extra = f", {reps['n']} replicates; bands and bars: 95 % intervals" if reps else ""
+    extra = f",\n{reps['n']} replicates; bands and bars: 95 % intervals" if reps else ""
     fig.suptitle(f"{command}: {result.workload['name']} ({result.workload['num_requests']} requests{extra})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -298,6 +298,8 @@ def _service_panel(ax: Any, row: dict[str, Any], replicated: bool) -> None:
         ax.plot(curves["t_s"], values, label=client)
     w = curves["weights"]
     gap = row.get("service_gap_backlogged")
+    if replicated and gap is not None:  # the curves are one replicate's: show that replicate's own gap
+        gap = row["replicate_values"]["service_gap_backlogged"][0]
     ax.set_title(f"{row['name']}: service per client" + (" (replicate 0)" if replicated else ""), fontsize=10)
     ax.set_xlabel("s from the first arrival")
     ax.set_ylabel(f"input x {w['input']:g} + output x {w['output']:g} tokens")
@@ -317,10 +319,12 @@ def _cdf_band(ax: Any, replicates: Seq[dict[str, list[float]]], key: str, color:
     if len(per) < 2:
         return
     qs = [i / 50 for i in range(1, 50)]
+    floor, ceiling = min(p[0] for p in per), max(p[-1] for p in per)  # the band stays within what was seen
     bounds = []
     for q in qs:
         iv = mean_interval([percentile(p, 100 * q) for p in per])  # type: ignore[misc]
-        bounds.append((max(iv.mean - iv.half_width, 1e-9), iv.mean + iv.half_width))  # type: ignore[operator]
+        half = iv.half_width or 0.0
+        bounds.append((max(iv.mean - half, floor), min(iv.mean + half, ceiling)))
     ax.fill_betweenx(qs, [b[0] for b in bounds], [b[1] for b in bounds], color=color, alpha=0.15, lw=0)
 
 
