@@ -83,7 +83,7 @@ def row_refusal(name: str, scheduler: dict[str, Any] | None, exc: Exception) -> 
 
 
 def build_configs(args: argparse.Namespace) -> list[tuple[str, Any]]:
-    """One (row name, EngineConfig) per combination of --config, --policy and --backend."""
+    """One (row name, Settings) per combination of --config, --policy and --backend."""
     from cbcore.cli.common import config_data, engine_config
     from cbcore.config import ConfigError
     from cbcore.plugins import PluginError
