@@ -89,10 +89,11 @@ def test_a_request_meets_its_deadline_only_by_completing_within_it():
 
 
 def test_deadline_attainment_is_completed_in_time_over_every_request_with_a_deadline():
-    assert deadline_stats(requests(), outputs()) == {
-        "with_deadline": 6,
-        "deadline_attainment": pytest.approx(2 / 6),
-    }
+    stats = deadline_stats(requests(), outputs())
+    assert stats["with_deadline"] == 6 and stats["deadline_attainment"] == pytest.approx(2 / 6)
+    # late completed, failed, aborted and refused missed it; only "late" has a finish time to be late by
+    assert (stats["deadline_missed"], stats["deadline_missed_failed"]) == (4, 3)
+    assert stats["lateness_max_s"] == stats["lateness_p50_s"] == pytest.approx(0.5)  # e2e 1.5 s, deadline 1 s
     by_priority = per_class(requests(), outputs(), None)["priority"]
     assert by_priority["0"]["deadline_attainment"] == pytest.approx(
         2 / 3

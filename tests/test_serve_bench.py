@@ -68,3 +68,14 @@ def test_every_http_run_starts_with_the_servers_prefix_cache_empty(tiny_server) 
         assert run.info["prefix_cache_kept"] is None
         # 40 tokens: two full blocks of 16 the cache could hold, found in none of them
         assert [(o.metrics.prefix_cache_queries, o.metrics.prefix_cache_hits) for o in run.outputs] == [(40, 0)] * 3
+
+
+def test_a_server_alone_is_measured_without_an_in_process_row(tiny_server, cb_tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "out.json"
+    rc = main([
+        "bench", "--model", str(cb_tiny_model_dir), "--no-progress", "--threads", "1", "--no-reference",
+        "--workload", WORKLOAD, "--server", tiny_server.url, "--api-key", SERVE_KEY, "--json", str(out),
+    ])  # fmt: skip
+    assert rc == 0
+    assert [r["name"] for r in json.loads(out.read_text())["rows"]] == [f"http:{tiny_server.url}"]
+    assert "--server: no in-process row" in capsys.readouterr().err

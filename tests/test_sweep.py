@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from cbcore.bench.sweep import FOLLOWS_LOAD_RATIO, Sweep, saturation_value, with_key
+from cbcore.bench.saturation import saturation_value
+from cbcore.bench.sweep import Sweep, with_key
 from cbcore.bench.workload import WorkloadError
 from cbcore.cli.main import main
 
@@ -56,9 +57,8 @@ def test_cb_simulate_sweeps_rows_json_csv_and_the_figure(tmp_path: Path, capsys)
     assert {r["sweep_key"] for r in rows} == {"rate"}
     assert all(r["workload"].endswith(f"rate={r['sweep_value']:g}") for r in rows)
     assert data["workload"]["sweep"]["values"] == [1.0, 1000.0]
-    assert data["workload"]["sweep"]["follows_load_ratio"] == FOLLOWS_LOAD_RATIO
     # One request a second is well within capacity; a thousand is far past it.
-    assert [r["follows_load"] for r in rows] == [True, True, False, False]
+    assert [r["keeps_up"] for r in rows] == [True, True, False, False]
     assert saturation_value([r for r in rows if r["config"] == "fcfs"]) == 1000.0
     assert all("deadline_attainment" in r and "goodput" in r and "priority" in r["classes"] for r in rows)
     assert csv.read_text().splitlines()[0].count("sweep_value") == 1 and len(csv.read_text().splitlines()) == 5
@@ -93,5 +93,5 @@ def test_cb_bench_sweeps_on_the_real_engine(cb_tiny_model_dir, tmp_path: Path) -
     rows = json.loads(out.read_text())["rows"]
     assert [(r["config"], r["sweep_value"]) for r in rows] == [("fcfs", 2.0), ("edf", 2.0), ("fcfs", 4.0), ("edf", 4.0)]
     assert [r["total_output_tokens"] for r in rows] == [6, 6, 12, 12]
-    assert all(r["follows_load"] is None for r in rows)  # everything at t=0: no offered rate to follow
+    assert all(r["keeps_up"] is None for r in rows)  # everything at t=0: no rate to keep up with
     assert png.read_bytes().startswith(PNG)

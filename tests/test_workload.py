@@ -181,7 +181,7 @@ def test_empty_trace_and_duplicate_ids_are_rejected(tmp_path) -> None:
     [
         ("poisson:n=0", r"n: Input should be greater than or equal to 1"),
         ("poisson:rate=-1", r"rate: Input should be greater than 0"),
-        ("poisson:lengths=zipf", r"lengths: Input should be 'fixed', 'uniform' or 'sharegpt'"),
+        ("poisson:lengths=zipf", r"lengths: Input should be 'fixed', 'uniform', 'sharegpt' or 'arxiv-summarization'"),
         ("poisson:colour=red", r"colour: Extra inputs are not permitted"),
         ("poisson:n", r"expected key=value"),
         ("poisson:clients=a:0", r"clients: .*weights must be positive"),

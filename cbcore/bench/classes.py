@@ -3,9 +3,12 @@
 A policy that favours one class is judged by what each class got, not by the
 average. A dimension is reported when the workload holds more than one value
 of it (one priority everywhere says nothing). Per class: requests, completed,
-TTFT and TPOT percentiles, SLO attainment (when SLOs are given) and deadline
-attainment (the share of requests with a ``deadline_s`` that finished within
-it; a request that failed missed it).
+failed, evictions (preemptions of its requests), TTFT and TPOT percentiles,
+SLO attainment (when SLOs are given), deadline attainment (the share of
+requests with a ``deadline_s`` that finished within it; a request that failed
+missed it) and how late the missed deadlines were (end-to-end latency minus
+the deadline, over the requests that completed late; the failed ones are
+counted apart, as they have no finish time to be late by).
 """
 
 from __future__ import annotations
@@ -59,7 +62,12 @@ def class_stats(requests: Seq[BenchRequest], outputs: Seq[RequestOutput], slo: S
     done = [o for o in outputs if completed(o)]
     ttft = [o.metrics.ttft for o in done if o.metrics.ttft is not None]
     tpot = [o.metrics.tpot for o in done if o.metrics.tpot is not None]
-    stats: dict[str, Any] = {"requests": len(outputs), "completed": len(done)}
+    stats: dict[str, Any] = {
+        "requests": len(outputs),
+        "completed": len(done),
+        "failed": len(outputs) - len(done),
+        "preemptions": sum(o.metrics.num_preemptions for o in outputs if o.metrics is not None),
+    }
     for name, values in (("ttft", ttft), ("tpot", tpot)):
         for q in (50, 90, 99):
             stats[f"{name}_p{q}_s"] = percentile(values, q)
@@ -70,10 +78,24 @@ def class_stats(requests: Seq[BenchRequest], outputs: Seq[RequestOutput], slo: S
 
 
 def deadline_stats(requests: Seq[BenchRequest], outputs: Seq[RequestOutput]) -> dict[str, Any]:
+    """Deadline attainment, and how late the misses were (None where nothing completed late)."""
     met = [m for m in map(met_deadline, requests, outputs) if m is not None]
     if not met:
         return {}
-    return {"with_deadline": len(met), "deadline_attainment": sum(met) / len(met)}
+    late = [
+        o.metrics.e2e - r.deadline_s
+        for r, o in zip(requests, outputs, strict=True)
+        if r.deadline_s is not None and completed(o) and o.metrics.e2e is not None and o.metrics.e2e > r.deadline_s
+    ]
+    return {
+        "with_deadline": len(met),
+        "deadline_attainment": sum(met) / len(met),
+        "deadline_missed": len(met) - sum(met),
+        "deadline_missed_failed": sum(r.deadline_s is not None and not completed(o) for r, o in zip(requests, outputs, strict=True)),
+        "lateness_p50_s": percentile(late, 50),
+        "lateness_p99_s": percentile(late, 99),
+        "lateness_max_s": max(late) if late else None,
+    }
 
 
 def per_class(
@@ -108,20 +130,34 @@ def class_lines(rows: Seq[dict[str, Any]]) -> list[str]:
             if not lines:
                 lines.append("per class (ms; SLO and deadline: share of the class's requests that met them)")
             for label, s in classes.items():
+                ci = s.get("ci95") or {}
+
+                def v(key: str, scale: float = 1000.0, s: dict[str, Any] = s, ci: dict[str, Any] = ci) -> str:
+                    return _num(s.get(key), ci.get(key), scale)
+
                 parts = [
                     f"{row['name']}  {dim}={label}:",
-                    f"n={s['requests']}",
-                    f"done={s['completed']}",
-                    f"TTFT p50/p99 {_ms(s['ttft_p50_s'])}/{_ms(s['ttft_p99_s'])}",
-                    f"TPOT p50/p99 {_ms(s['tpot_p50_s'])}/{_ms(s['tpot_p99_s'])}",
+                    f"n={v('requests', 1)}",
+                    f"done={v('completed', 1)}",
+                    f"failed={v('failed', 1)}",
+                    f"evicted={v('preemptions', 1)}",
+                    f"TTFT p50/p99 {v('ttft_p50_s')}/{v('ttft_p99_s')}",
+                    f"TPOT p50/p99 {v('tpot_p50_s')}/{v('tpot_p99_s')}",
                 ]
                 if s.get("slo_attainment") is not None:
-                    parts.append(f"SLO {100 * s['slo_attainment']:.0f}%")
+                    parts.append(f"SLO {v('slo_attainment', 100)}%")
                 if s.get("deadline_attainment") is not None:
-                    parts.append(f"deadline {100 * s['deadline_attainment']:.0f}% of {s['with_deadline']}")
+                    parts.append(f"deadline {v('deadline_attainment', 100)}% of {v('with_deadline', 1)}")
+                if s.get("deadline_missed"):
+                    parts.append(f"late p50/max {v('lateness_p50_s')}/{v('lateness_max_s')}")
                 lines.append("  ".join(parts))
     return lines
 
 
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{1000 * value:.0f}"
+def _num(value: float | None, half: float | None, scale: float) -> str:
+    """A value (scaled), with ``± half-width`` when it is a mean over replicates."""
+    if value is None:
+        return "-"
+    x = value * scale
+    digits = 0 if scale != 1 or float(x).is_integer() else 1
+    return f"{x:.{digits}f}" if not half else f"{x:.{digits}f} ± {half * scale:.{digits}f}"

@@ -10,6 +10,9 @@ tokens excluded); what is measured is the serving of those lengths, not what
 the text says. ``ignore_eos`` defaults to true so each request produces the
 output length it was drawn with.
 
+``lengths=arxiv-summarization`` draws each request's (prompt, output) pair
+from a measured table instead (:mod:`cbcore.bench.length_tables`).
+
 Two keys make prompts repeat themselves, as chat and agent traffic does:
 
 * ``system_len=512`` starts every prompt with a system prompt of that many
@@ -30,6 +33,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from cbcore.bench.length_tables import TABLES, length_table
 from cbcore.bench.workload import BenchRequest, Workload, WorkloadError
 from cbcore.cli.config_files import format_validation_error
 
@@ -49,7 +53,7 @@ class GeneratorSpec(BaseModel):
     n: int = Field(64, ge=1, description="Number of requests.")
     rate: float = Field(math.inf, gt=0, description="Mean arrivals per second; inf: all at t=0.")
     burstiness: float = Field(1.0, gt=0, description="Gamma shape of inter-arrival gaps; 1 = Poisson.")
-    lengths: Literal["fixed", "uniform", "sharegpt"] = "sharegpt"
+    lengths: Literal["fixed", "uniform", "sharegpt", "arxiv-summarization"] = "sharegpt"
     input_len: int | None = Field(None, ge=1, description="Mean prompt length (default per distribution).")
     output_len: int | None = Field(None, ge=1, description="Mean output length (default per distribution).")
     range_ratio: float = Field(0.5, ge=0, lt=1, description="uniform: lengths in [L(1-r), L(1+r)].")
@@ -153,9 +157,25 @@ def draw_length(spec: GeneratorSpec, mean: int, cap: int, rng: random.Random) ->
     return max(1, min(round(rng.lognormvariate(mu, spec.sigma)), cap))
 
 
+def draw_pair(spec: GeneratorSpec, in_mean: int, out_mean: int, rng: random.Random) -> tuple[int, int]:
+    """One request's (prompt, output) lengths: a pair of a measured table, or two synthetic draws.
+
+    A table's lengths are capped only by a ``max_input`` / ``max_output`` given in the spec.
+    """
+    if spec.lengths in TABLES:
+        n_in, n_out = rng.choice(length_table(spec.lengths))
+        given = spec.model_fields_set
+        return (min(n_in, spec.max_input) if "max_input" in given else n_in,
+                min(n_out, spec.max_output) if "max_output" in given else n_out)  # fmt: skip
+    return draw_length(spec, in_mean, spec.max_input, rng), draw_length(spec, out_mean, spec.max_output, rng)
+
+
 def generate(spec_text: str, vocab_size: int, special_ids: Seq[int] = ()) -> Workload:
     """Draw a workload; the same spec and vocabulary always give the same requests."""
     _, spec = parse_spec(spec_text)
+    if spec.lengths in TABLES and (shaped := {"input_len", "output_len", "range_ratio", "sigma"} & spec.model_fields_set):
+        raise WorkloadError(f"workload {spec_text!r}: {', '.join(sorted(shaped))}: lengths={spec.lengths} draws "
+                            "measured (prompt, output) pairs; the synthetic shape keys do not apply")  # fmt: skip
     special = set(special_ids)
     if vocab_size - len(special & set(range(vocab_size))) < 1:
         raise WorkloadError(f"workload {spec_text!r}: the vocabulary has no ordinary tokens to draw from")
@@ -189,8 +209,7 @@ def generate(spec_text: str, vocab_size: int, special_ids: Seq[int] = ()) -> Wor
         deadline = None if mean is None else mean * rng_deadline.uniform(1 - spread, 1 + spread)
         previous = None
         for turn in range(spec.turns):
-            n_in = draw_length(spec, in_mean, spec.max_input, rng_len)
-            n_out = draw_length(spec, out_mean, spec.max_output, rng_len)
+            n_in, n_out = draw_pair(spec, in_mean, out_mean, rng_len)
             ids = draw_tokens(n_in, rng_tok)
             if turn == 0 and spec.system_len:
                 ids = systems[clients.index(client) % spec.system_prompts] + ids

@@ -12,11 +12,13 @@ that met every SLO given, per second of duration.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from statistics import fmean
 from typing import Any
 
+from cbcore.bench.service import backlogged_gap, service_curves
 from cbcore.bench.workload import BenchRequest
 from cbcore.outputs import RequestMetrics, RequestOutput, StepStats
 
@@ -84,6 +86,51 @@ def distribution(prefix: str, values: Seq[float]) -> dict[str, float | None]:
 
 def completed(out: RequestOutput) -> bool:
     return out.finished and out.finish_reason in ("stop", "length") and out.metrics is not None
+
+
+def failure_reasons(outputs: Seq[RequestOutput]) -> list[dict[str, Any]]:
+    """The requests that did not complete, grouped by reason: count, a few request ids, one full message.
+
+    A reason is the error text with the request's own id and every number
+    taken out, so that "the prompt's 900 tokens + max_new_tokens 300 needs KV
+    for 1199 tokens ..." and the same refusal of another request count together.
+    """
+    groups: dict[str, dict[str, Any]] = {}
+    for out in outputs:
+        if completed(out):
+            continue
+        if out.error:
+            text = out.error
+        elif out.finished:
+            text = f"finished with reason {out.finish_reason!r}"
+        else:
+            text = "did not finish"
+        reason = re.sub(r"\d+(\.\d+)?", "N", text.replace(f"request {out.request_id}: ", ""))
+        group = groups.setdefault(reason, {"reason": reason, "count": 0, "requests": [], "example": text})
+        group["count"] += 1
+        if len(group["requests"]) < 10:
+            group["requests"].append(out.request_id)
+    return sorted(groups.values(), key=lambda g: -g["count"])
+
+
+def recomputed_tokens(outputs: Seq[RequestOutput], steps: Seq[StepStats]) -> int | None:
+    """Tokens prefilled again after a recompute preemption: every prefill token the steps computed, less
+    each request's first prefill (its prompt less the prefix-cache hits of a request never preempted).
+
+    A preempted request's first prefill is taken as its whole prompt, so the count
+    is exact when preempted requests found no cached prefix on their first
+    admission (prompts that share nothing) and otherwise low by those hits.
+    None without step records (baselines, servers).
+    """
+    if not steps:
+        return None
+    first = 0
+    for out in outputs:
+        m = out.metrics
+        if m is None:
+            continue
+        first += m.prompt_len if m.num_preemptions else m.prompt_len - m.prefix_cache_hits
+    return max(0, sum(s.num_prefill_tokens for s in steps) - first)
 
 
 def latency_samples(outputs: Seq[RequestOutput]) -> dict[str, list[float]]:
@@ -217,7 +264,15 @@ def summarize(
     if slo is not None:
         good = sum(slo.met(o.metrics) for o in done)
         row.update(goodput=good / duration_s, slo_attainment=good / len(outputs), slo_ms=slo.as_ms())
-    row["preemptions"] = sum(o.metrics.num_preemptions for o in done)
+    # Every eviction counts, also of a request that failed later.
+    row["preemptions"] = sum(o.metrics.num_preemptions for o in outputs if o.metrics is not None)
+    row["failures"] = failure_reasons(outputs)
+    recomputed = recomputed_tokens(outputs, steps)
+    computed = sum(s.num_tokens for s in steps)
+    row.update(
+        recomputed_tokens=recomputed,
+        recompute_share=recomputed / computed if recomputed is not None and computed else None,
+    )
     # Prefix cache, in tokens: what admissions looked up and found (None where nothing was looked up,
     # e.g. with caching off or for a baseline).
     queries = sum(o.metrics.prefix_cache_queries for o in done)
@@ -229,6 +284,8 @@ def summarize(
     )
     clients = client_service(requests, outputs)
     row.update(fairness_spread=fairness_spread(clients), clients=clients)
+    if len(clients) > 1:
+        row.update(service_gap_backlogged=backlogged_gap(requests, outputs), service_curves=service_curves(requests, outputs))
     row.update(step_summary(steps, busy_s))
     row.setdefault("engine_overhead_share", None)
     return row

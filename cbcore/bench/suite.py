@@ -28,6 +28,7 @@ from cbcore.bench.driver import ProgressFactory, RunResult, drive, no_progress, 
 from cbcore.bench.http_driver import run_http
 from cbcore.bench.memory import PeakRSS, process_peak_rss_bytes
 from cbcore.bench.metrics import SLO, latency_samples, summarize
+from cbcore.bench.saturation import keeps_up
 from cbcore.bench.seed_toy import run_seed_toy
 from cbcore.bench.workload import BenchRequest, Workload
 from cbcore.config import EngineConfig
@@ -46,6 +47,8 @@ class BenchResult:
     rows: list[dict[str, Any]]
     # Per row name: latency samples (ttft, tpot, itl, e2e, queue) for the CDF plots.
     samples: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    # With replicates: per row name, each replicate's samples (``samples`` pools them), for the plots' bands.
+    replicate_samples: dict[str, list[dict[str, list[float]]]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {"workload": self.workload, "rows": self.rows}
@@ -275,7 +278,13 @@ def summarize_runs(
     )
     row = {"name": run.name, "kind": run.kind, **run.info, **row}
     row.update(deadline_stats(workload.requests, run.outputs))
+    row.update(keeps_up(workload.requests, run.outputs))
     row["classes"] = per_class(workload.requests, run.outputs, slo)
+    for failure in row["failures"]:
+        log.warning(
+            "requests did not complete", row=run.name, count=failure["count"], reason=failure["example"],
+            requests=failure["requests"],
+        )  # fmt: skip
     if len(tries) > 1:
         row["repeats"] = len(tries)
         row["duration_s_all"] = [t.duration_s for t in tries]

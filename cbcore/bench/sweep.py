@@ -5,9 +5,10 @@ key replaced, or added when the spec did not name it); each point runs every
 configuration as an ordinary benchmark or simulation (``--jobs N`` runs
 simulated points in N processes), and the rows of all points make one
 :class:`~cbcore.bench.suite.BenchResult`. Each row records its
-configuration, the swept key and value, and whether its throughput still
-followed the load offered to it: a policy's finding is usually where that
-stops (past capacity), and what each policy does to its deadlines there.
+configuration, the swept key and value, and whether the engine kept up with
+the arrivals (:mod:`cbcore.bench.saturation`): a policy's finding is usually
+where that stops (past capacity), and what each policy does to its deadlines
+there.
 """
 
 from __future__ import annotations
@@ -29,10 +30,6 @@ from cbcore.config import EngineConfig
 from cbcore.log import get_logger
 
 log = get_logger(__name__)
-
-# Achieved over offered request rate below which a row no longer follows the load (it is saturated).
-# A run's duration includes draining the last requests, so an unsaturated row stays a little under 1.
-FOLLOWS_LOAD_RATIO = 0.95
 
 
 class Sweep(BaseModel):
@@ -136,10 +133,7 @@ def annotate(row: dict[str, Any], sweep: Sweep, point: Point) -> dict[str, Any]:
     }
     if "error" in row:
         return new
-    offered = offered_rate(point.workload)
-    achieved = row.get("request_throughput")
-    new["offered_request_rate"] = offered
-    new["follows_load"] = None if offered is None or achieved is None else achieved >= FOLLOWS_LOAD_RATIO * offered
+    new["offered_request_rate"] = offered_rate(point.workload)
     return new
 
 
@@ -155,34 +149,58 @@ def run_sweep(
     jobs: int = 1,
     draw: Callable[[str], Workload] | None = None,
 ) -> BenchResult:
-    """Every configuration at every point through ``run``; the rows of all points in one result.
+    """Every configuration at every point through ``run``; the rows of all points in one result."""
+    specs = [p.spec for p in points]
+    return merge(sweep, points, run_specs(specs, configs, run, jobs=jobs, draw=draw, workloads=[p.workload for p in points]))
 
-    With ``jobs`` > 1 each (point, configuration) pair runs in a worker process
-    (simulated rows: each is independent, on its own virtual clock, so the rows
-    are exactly a serial run's). A worker draws its point's workload again from
-    its spec with ``draw`` (the generator is deterministic), which costs less
-    than shipping thousands of requests; ``run`` and ``draw`` must pickle.
+
+def run_specs(
+    specs: Seq[str],
+    configs: Configs,
+    run: Callable[[Workload, Configs], BenchResult],
+    *,
+    jobs: int = 1,
+    draw: Callable[[str], Workload] | None = None,
+    workloads: Seq[Workload | None] | None = None,
+) -> list[BenchResult]:
+    """Every configuration on the workload of every spec; one result per spec, its rows in configuration order.
+
+    ``workloads`` (when given) are the specs' workloads already drawn; the
+    others are drawn with ``draw``. With ``jobs`` > 1 each (spec,
+    configuration) pair runs in a worker process (simulated rows: each is
+    independent, on its own virtual clock, so the rows are exactly a serial
+    run's). A worker draws its workload again from its spec with ``draw`` (the
+    generator is deterministic), which costs less than shipping thousands of
+    requests; ``run`` and ``draw`` must pickle.
     """
     if jobs < 1:
         raise ValueError(f"jobs must be at least 1, got {jobs}")
-    if jobs == 1:
-        return merge(sweep, points, [run(p.workload, configs) for p in points])
+    given = list(workloads) if workloads is not None else [None] * len(specs)
+    if jobs == 1 or len(specs) * len(configs) == 1:
+        results = []
+        for spec, workload in zip(specs, given, strict=True):
+            if workload is None:
+                if draw is None:
+                    raise ValueError(f"no workload and no draw for {spec!r}")
+                workload = draw(spec)
+            results.append(run(workload, configs))
+        return results
     if draw is None:
-        raise ValueError("points run in worker processes need draw, to draw their workloads there")
-    tasks = [(i, j) for i in range(len(points)) for j in range(len(configs))]
-    log.info("running sweep points in parallel", points=len(tasks), jobs=jobs)
+        raise ValueError("runs in worker processes need draw, to draw their workloads there")
+    tasks = [(i, j) for i in range(len(specs)) for j in range(len(configs))]
+    log.info("running in parallel", tasks=len(tasks), jobs=jobs)
     # spawn: a fresh interpreter per worker, so no lock or thread pool of this process is inherited half-held.
     spawn = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=spawn) as pool:
-        futures = {(i, j): pool.submit(_run_one, run, draw, points[i].spec, configs[j]) for i, j in tasks}
+        futures = {(i, j): pool.submit(_run_one, run, draw, specs[i], configs[j]) for i, j in tasks}
         parts = {key: f.result() for key, f in futures.items()}
     results = []
-    for i in range(len(points)):
+    for i in range(len(specs)):
         per_config = [parts[(i, j)] for j in range(len(configs))]
         rows = [r for part in per_config for r in part.rows]
         samples = {k: v for part in per_config for k, v in part.samples.items()}
         results.append(BenchResult(workload=per_config[0].workload, rows=rows, samples=samples))
-    return merge(sweep, points, results)
+    return results
 
 
 def _run_one(
@@ -214,17 +232,9 @@ def merge(sweep: Sweep, points: Seq[Point], results: Seq[BenchResult]) -> BenchR
         "num_requests": max(len(p.workload) for p in points),
         "arrival_span_s": max(p.workload.span_s for p in points),
         "sweep": {"key": sweep.key, "values": [sweep_value(v) for v in sweep.values],
-                  "specs": [p.spec for p in points], "follows_load_ratio": FOLLOWS_LOAD_RATIO},
+                  "specs": [p.spec for p in points]},
     }  # fmt: skip
     return BenchResult(workload=workload, rows=rows, samples=samples)
-
-
-def saturation_value(rows: Seq[dict[str, Any]]) -> float | str | None:
-    """The first swept value at which these rows (one configuration, sweep order) stop following the load."""
-    for row in rows:
-        if row.get("follows_load") is False:
-            return row["sweep_value"]
-    return None
 
 
 def by_config(rows: Seq[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:

@@ -3,9 +3,10 @@
 Panels: deadline attainment (all requests with a deadline, then per priority
 class), TTFT p99, TPOT p99, request throughput beside the offered rate, and
 goodput. A dotted vertical line in a configuration's colour marks the first
-value at which its throughput stopped following the offered load
-(:data:`cbcore.bench.sweep.FOLLOWS_LOAD_RATIO`): to its right the queue grows
-for as long as requests arrive, and latencies measure the run's length.
+value at which the engine stopped keeping up with the arrivals
+(:mod:`cbcore.bench.saturation`): to its right the queue grows for as long as
+requests arrive, and latencies measure the run's length. With replicates each
+line is the mean and a band its 95 % interval.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from cbcore.bench.classes import sort_label
+from cbcore.bench.saturation import saturation_value
 from cbcore.bench.suite import BenchResult
-from cbcore.bench.sweep import FOLLOWS_LOAD_RATIO, by_config, saturation_value
+from cbcore.bench.sweep import by_config
 
 LINE_STYLES = ("-", "--", ":", "-.")
 # (title, row key, scale): the panels after the two attainment panels.
@@ -30,13 +32,9 @@ PANELS = (
 
 def plot_sweep(result: BenchResult, path: str | Path, command: str) -> None:
     """Write the sweep figure to ``path`` (PNG); ``command`` titles it (``cb simulate``, ``cb bench``)."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise RuntimeError("--plot needs matplotlib: pip install 'cbcore[plot]'") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from cbcore.bench.report import pyplot
 
+    plt = pyplot()
     sweep = result.workload["sweep"]
     key, values = sweep["key"], sweep["values"]
     numeric = all(isinstance(v, float) for v in values)
@@ -75,9 +73,11 @@ def plot_sweep(result: BenchResult, path: str | Path, command: str) -> None:
     knees = ", ".join(
         f"{name}: {key}={_fmt(k)}" for name, rows in groups.items() if (k := saturation_value(rows)) is not None
     )
+    reps = result.workload.get("replicates")
     fig.suptitle(
-        f"{command}: {result.workload['name']}\n"
-        f"dotted: throughput below {FOLLOWS_LOAD_RATIO:.0%} of the offered rate from there on"
+        f"{command}: {result.workload['name']}" + (f" ({reps['n']} replicates; bands: 95 % intervals)" if reps else "")
+        + "\n"
+        "dotted: the engine no longer keeps up (TTFT grows over the run) from there on"
         + (f" ({knees})" if knees else " (no configuration saturated)")
     )
     fig.tight_layout()
@@ -93,6 +93,13 @@ def _line_panel(ax: Any, groups: dict[str, list[dict[str, Any]]], color: dict[st
         if points:
             ax.plot(*zip(*points, strict=True), marker="o", color=color[name], label=name)
             seen.extend(y for _, y in points)
+        band = [(x, r[key] * scale, r["ci95"][key] * scale) for x, r in zip(xs(rows), rows, strict=True)
+                if r.get(key) is not None and (r.get("ci95") or {}).get(key) is not None]  # fmt: skip
+        if band:  # replicates: the 95 % interval of the mean
+            bx, mean, half = zip(*band, strict=True)
+            low = [max(m - h, 0.0) if key.endswith("_s") else m - h for m, h in zip(mean, half, strict=True)]
+            ax.fill_between(bx, low, [m + h for m, h in zip(mean, half, strict=True)], color=color[name], alpha=0.2)
+            seen.extend(v for v in low if v > 0)
     if key.endswith("_s") and seen and min(seen) > 0 and max(seen) / min(seen) > 30:  # latencies past capacity
         ax.set_yscale("log")
     if not seen:

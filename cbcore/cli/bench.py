@@ -4,16 +4,16 @@ Every ``--config`` x ``--policy`` x ``--backend`` combination is one row (the
 flags that are not given do not multiply); ``--baseline`` adds outside
 baselines on the same requests. All rows run in this process on one model,
 except ``--server URL`` rows (a running `cb serve`, driven over HTTP with
-streaming clients) and, with ``--serve``, one extra row per configuration
-served by a `cb serve` subprocess started for it (``NAME@http``): the same
-trace in process and over the wire, side by side.
+streaming clients; with ``--server`` alone no in-process row runs, as it would
+share the machine with the server) and, with ``--serve``, one extra row per
+configuration served by a `cb serve` subprocess started for it
+(``NAME@http``): the same trace in process and over the wire, side by side.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import os
 import sys
 import tempfile
@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from cbcore.cli.main import CLIError
+from cbcore.cli.rows import build_configs, check_replicates
 
 EPILOG = """\
 workloads:
@@ -30,7 +31,7 @@ workloads:
   FILE.jsonl                            a trace (see --save-trace), replayed exactly
   poisson:n=64,rate=2,lengths=sharegpt,seed=0
       keys: n, rate (req/s, inf = all at t=0), burstiness (1 = Poisson), lengths (fixed, uniform,
-      sharegpt), input_len, output_len (means), range_ratio, sigma, max_input, max_output,
+      sharegpt, or arxiv-summarization: Sarathi-Serve's measured (prompt, output) pairs), input_len, output_len (means), range_ratio, sigma, max_input, max_output,
       clients (a:3/b:1), priorities (0:1/1:3), ignore_eos, seed,
       deadlines (mean deadline_s per priority class, 0:2/1:30; classes not named get none),
       deadline_spread (each deadline drawn uniformly in mean * [1 - s, 1 + s], default 0.5;
@@ -115,13 +116,37 @@ def add_row_flags(parser: argparse.ArgumentParser) -> None:
         "--config", action="append", default=[], dest="configs", metavar="FILE", help="engine config (repeatable)"
     )
     parser.add_argument(
-        "--policy", action="append", default=[], dest="policies", metavar="MIX", help="e.g. priority+chunked"
+        "--policy",
+        action="append",
+        default=[],
+        dest="policies",
+        metavar="MIX",
+        help="one row per --policy: a mix such as priority+chunked, with per-row parameters "
+        "'sjf(aging_s=0.5)+chunked(chunk_size=512)' and the phase order (decode-first, prefill-first); "
+        "NAME=MIX names the row; @FILE takes the row's scheduler section from a config file",
     )
     parser.add_argument(
         "--sweep",
         metavar="KEY=V1,V2,...",
         help="run every row at each value of one workload key (e.g. rate=2,3,4,5); --plot then draws "
         "each metric against the value",
+    )
+    parser.add_argument(
+        "--capacity",
+        action="append",
+        default=[],
+        metavar="SLO",
+        help="search each row's capacity (repeatable: each row under each SLO): the highest rate= meeting SLO, 'sarathi:tbt=MS[,delay=MS]' (P99 time "
+        "between tokens, median scheduling delay, default 2000 ms) or 'attainment:p=PCT,ttft=MS,tpot=MS'; "
+        "search keys start=, tol= (default 0.05), min_rate=, max_rate=, max_runs=",
+    )
+    parser.add_argument(
+        "--replicates",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run every row on N independently drawn workloads (a generator's seed + i, or a trace's next "
+        "duration_s window) and report each metric as mean ± the half-width of its 95 %% interval",
     )
 
 
@@ -139,12 +164,22 @@ def write_reports(result: Any, args: argparse.Namespace, command: str) -> None:
     """The table on stdout, then the files the report flags asked for (plots titled by ``command``)."""
     from cbcore.bench import report
 
-    print(report.table(result))
+    capacity = "capacity" in result.workload
+    if capacity:
+        from cbcore.bench.capacity_report import capacity_table
+
+        print(capacity_table(result))
+    else:
+        print(report.table(result))
     if args.json:
         report.write_json(result, args.json)
     if args.csv:
         report.write_csv(result, args.csv)
-    if args.plot and "sweep" in result.workload:
+    if args.plot and capacity:
+        from cbcore.bench.capacity_report import plot_capacity
+
+        plot_capacity(result, args.plot, command)
+    elif args.plot and "sweep" in result.workload:
         from cbcore.bench.sweep_report import plot_sweep
 
         plot_sweep(result, args.plot, command)
@@ -165,40 +200,8 @@ def parse_sweep(args: argparse.Namespace) -> Any:
     return sweep
 
 
-def build_configs(args: argparse.Namespace) -> list[tuple[str, Any]]:
-    """One (row name, Settings) per combination of --config, --policy and --backend."""
-    from cbcore.cli.common import config_data, engine_config, scheduler_from_mix
-
-    rows = []
-    for path in args.configs or [None]:
-        ns = copy.copy(args)
-        ns.config = path
-        plugins = tuple(config_data(ns).get("plugins") or ())
-        for mix in args.policies or [None]:
-            for backend in args.backends or [None]:
-                extra: dict[str, Any] = {}
-                if mix is not None:
-                    extra["scheduler"] = scheduler_from_mix(mix, plugins)
-                if backend is not None:
-                    extra["backend"] = {"name": backend}
-                parts = [Path(path).stem if path else None, mix, backend]
-                name = "/".join(p for p in parts if p) or "default"
-                rows.append((name, engine_config(ns, extra)))
-    if (len(args.configs) > 1 and args.policies) or (args.configs and len(args.policies) > 1):
-        print(
-            f"cb: note: {len(args.configs)} --config x {len(args.policies)} --policy = {len(rows)} rows "
-            "(each --policy replaces the scheduler section of each config)",
-            file=sys.stderr,
-        )
-    models = {c.model.model_dump_json() for _, c in rows}
-    if len(models) > 1:
-        raise CLIError("all configurations must use the same model section (one model serves every row)")
-    return rows
-
-
 def run(args: argparse.Namespace) -> int:
     from cbcore.bench.generator import is_generator
-    from cbcore.bench.metrics import SLO
     from cbcore.bench.sources import load_workload
     from cbcore.bench.suite import baseline_limits, run_suite
 
@@ -212,11 +215,16 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.repeat < 1:
         raise CLIError(f"--repeat must be >= 1, got {args.repeat}")
-    slo = SLO.parse(args.slo) if args.slo else None
+    slo = check_replicates(args)
     sweep = parse_sweep(args)
     # A trace or spec is checked before the (slow) model load; drawing prompts needs the vocabulary.
     workload = None if is_generator(args.workload) else load_workload(args.workload)
     configs = build_configs(args)
+    local = configs
+    if args.servers and not (args.configs or args.policies or args.backends):
+        local = []  # the servers are what is measured; an in-process row beside them would share their cores
+        print("cb: note: --server: no in-process row (give --policy, --config or --backend to add one)",
+              file=sys.stderr)  # fmt: skip
     batch_size, batch_tokens = baseline_limits(configs)
     batch_size = args.batch_size or batch_size
 
@@ -240,14 +248,14 @@ def run(args: argparse.Namespace) -> int:
             batch_size=batch_size,
             batch_tokens=batch_tokens,
             slo=slo,
-            reference=not args.no_reference,
+            reference=not (args.no_reference or args.capacity),  # a search's many runs are not checked
             repeat=args.repeat,
             progress=progress_factory(args.no_progress),
             servers=servers,
             api_key=args.api_key or os.environ.get("CBCORE_API_KEY"),
         )
         draw = partial(load_workload, vocab_size=vocab, special_ids=special)
-        return run_rows(args, "cb bench", sweep, configs, suite, draw, workload)
+        return run_rows(args, "cb bench", sweep, local, suite, draw, workload)
 
 
 def run_rows(
@@ -266,16 +274,34 @@ def run_rows(
     one already read); with ``jobs`` > 1 the points run in worker processes.
     Returns the exit status: 1 when a row failed.
     """
+    from cbcore.bench.replicates import combine, method, replicate_specs
+    from cbcore.bench.sweep import draw_points, merge, run_specs
+
+    specs = replicate_specs(args.workload, args.replicates)
+    if args.capacity:
+        from cbcore.bench.capacity import Objective, run_capacity
+
+        kind = "simulated" if command == "cb simulate" else "cbcore"
+        objectives = [Objective.parse(text) for text in args.capacity]
+        result = run_capacity(specs, configs, suite, draw, objectives, kind=kind, jobs=jobs)
+        if len(specs) > 1:
+            result.workload["capacity"]["method"] = method(args.workload, len(specs))
+        write_reports(result, args, command)
+        return 1 if any("error" in row for row in result.rows) else 0
     if sweep is None:
         workload = workload if workload is not None else draw(args.workload)
         if args.save_trace:
             workload.save(args.save_trace)
-        result = suite(workload, configs)
+        workloads = [workload, *[None] * (len(specs) - 1)]
+        results = run_specs(specs, configs, suite, jobs=jobs, draw=draw, workloads=workloads)
     else:
-        from cbcore.bench.sweep import draw_points, run_sweep
-
-        points = draw_points(sweep, args.workload, draw)
-        result = run_sweep(sweep, points, configs, suite, jobs=jobs, draw=draw)
+        per_replicate = [draw_points(sweep, spec, draw) for spec in specs]
+        flat = [p for points in per_replicate for p in points]
+        parts = run_specs([p.spec for p in flat], configs, suite, jobs=jobs, draw=draw,
+                          workloads=[p.workload for p in flat])  # fmt: skip
+        k = len(sweep.values)
+        results = [merge(sweep, points, parts[i * k : (i + 1) * k]) for i, points in enumerate(per_replicate)]
+    result = results[0] if len(results) == 1 else combine(results, specs)
     write_reports(result, args, command)
     for row in result.rows:
         for note in row.get("notes", ()):

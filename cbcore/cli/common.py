@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
 from cbcore.cli.config_files import read_config_file
@@ -40,6 +41,8 @@ def load_engine(config: EngineConfig) -> Any:
     return Engine.from_pretrained(config.model.path, config=config)
 
 
+#: The scheduler's phase orders (``scheduler.order``), accepted as items of `--policy a+b+c`.
+PHASE_ORDERS = ("decode-first", "prefill-first")
 # Short names accepted in `--policy a+b+c` for the built-in policies.
 POLICY_ALIASES = {
     "chunked": "chunked-prefill",
@@ -48,18 +51,70 @@ POLICY_ALIASES = {
 }
 
 
+def split_top(text: str, sep: str) -> list[str]:
+    """``text`` split at ``sep`` outside brackets and quotes (``a(x=1,y=[2,3])+b`` at ``+``)."""
+    parts, depth, quote, start = [], 0, "", 0
+    for i, ch in enumerate(text):
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "\"'":
+            quote = ch
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == sep and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return parts
+
+
+def policy_params(mix: str, item: str) -> tuple[str, dict[str, Any]]:
+    """``sjf(aging_s=0.5,weights={"a":2})`` -> ("sjf", {"aging_s": 0.5, "weights": {"a": 2}}).
+
+    A value is read as JSON when it parses as JSON (numbers, true/false/null,
+    lists, objects), else as text (``victim=least-progress``).
+    """
+    from cbcore.plugins import PluginError
+
+    name, paren, rest = item.partition("(")
+    if not paren:
+        return item, {}
+    if not rest.endswith(")"):
+        raise PluginError(f"--policy {mix!r}: {item!r}: expected NAME(KEY=VALUE,...)")
+    params: dict[str, Any] = {}
+    for pair in filter(None, (p.strip() for p in split_top(rest[:-1], ","))):
+        key, eq, value = pair.partition("=")
+        if not eq or not key.strip():
+            raise PluginError(f"--policy {mix!r}: {name.strip()}: expected KEY=VALUE, got {pair!r}")
+        try:
+            params[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            params[key.strip()] = value.strip()
+    return name.strip(), params
+
+
 def scheduler_from_mix(mix: str, plugins: tuple[str, ...] = ()) -> dict[str, Any]:
     """``"priority+chunked+swap"`` -> a ``scheduler`` section with one policy per named slot.
 
     Each ``+``-separated name (or alias) is looked up in the registry, which
     says its kind; slots not named keep their defaults. Two names of one kind
-    are an error.
+    are an error. A name may carry its parameters, ``sjf(aging_s=0.5)``
+    (:func:`policy_params`), for this row alone; ``decode-first`` or
+    ``prefill-first`` sets the row's ``scheduler.order``.
     """
     from cbcore.plugins import PluginError, did_you_mean, get_registry
 
     registry = get_registry(plugins)
     section: dict[str, Any] = {}
-    for raw in mix.split("+"):
+    for item in split_top(mix, "+"):
+        raw, params = policy_params(mix, item.strip())
+        if raw in PHASE_ORDERS and not params:  # the scheduler's phase order, named in the mix
+            if "order" in section:
+                raise PluginError(f"--policy {mix!r}: two phase orders ({section['order']!r} and {raw!r})")
+            section["order"] = raw
+            continue
         name = POLICY_ALIASES.get(raw.strip(), raw.strip())
         if not name:
             raise PluginError(f"--policy {mix!r}: empty policy name")
@@ -70,12 +125,12 @@ def scheduler_from_mix(mix: str, plugins: tuple[str, ...] = ()) -> dict[str, Any
             raise PluginError(f"--policy {mix!r}: unknown policy {name!r}{hint}; known: {', '.join(known)}")
         kind = kinds[0]
         if kind == "scheduler":
-            if section:
+            if len(split_top(mix, "+")) > 1:
                 raise PluginError(f"--policy {mix!r}: {name!r} replaces the whole scheduler; name it alone")
-            return {"name": name}
+            return {"name": name, **params}
         if kind in section:
             raise PluginError(
                 f"--policy {mix!r}: both {section[kind]['name']!r} and {name!r} are {kind} policies"
             )
-        section[kind] = {"name": name}
+        section[kind] = {"name": name, **params}
     return section

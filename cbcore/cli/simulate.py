@@ -11,7 +11,7 @@ import argparse
 import sys
 from typing import Any
 
-from cbcore.cli.bench import add_report_flags, add_row_flags, parse_sweep
+from cbcore.cli.bench import add_report_flags, add_row_flags, check_replicates, parse_sweep
 from cbcore.cli.main import CLIError
 
 EPILOG = """\
@@ -76,7 +76,8 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
         "--tokenizer", metavar="DIR", help="tokenizer for text prompts (default: the model's)"
     )
     parser.add_argument(
-        "--jobs", type=int, default=1, metavar="N", help="with --sweep: simulate N points at once in worker processes"
+        "--jobs", type=int, default=1, metavar="N",
+        help="with --sweep, --replicates or --capacity: simulate N runs at once in worker processes"
     )
     parser.add_argument(
         "--force",
@@ -91,7 +92,6 @@ def run(args: argparse.Namespace) -> int:
     from functools import partial
 
     from cbcore.bench.driver import no_progress
-    from cbcore.bench.metrics import SLO
     from cbcore.bench.sources import load_workload
     from cbcore.cli.bench import build_configs, progress_factory, run_rows
     from cbcore.sim.profile import load_profile
@@ -104,12 +104,15 @@ def run(args: argparse.Namespace) -> int:
     )
     if problem is not None and not args.force:
         raise CLIError(problem)
-    slo = SLO.parse(args.slo) if args.slo else None
     sweep = parse_sweep(args)
     if args.jobs < 1:
         raise CLIError(f"--jobs must be at least 1, got {args.jobs}")
-    if args.jobs > 1 and sweep is None:
-        raise CLIError("--jobs runs the points of a --sweep in parallel; without --sweep there is one point")
+    if args.jobs > 1 and sweep is None and args.replicates == 1 and not args.capacity:
+        raise CLIError(
+            "--jobs runs the points of a --sweep, the --replicates or the --capacity searches in parallel; "
+            "without them there is one point"
+        )
+    slo = check_replicates(args)
     configs = build_configs(args)
     if args.replicas < 1:
         raise CLIError(f"--replicas must be at least 1, got {args.replicas}")
@@ -118,7 +121,8 @@ def run(args: argparse.Namespace) -> int:
             raise CLIError("--router needs --replicas N with N > 1 (one engine has nothing to route)")
         configs = with_routers(configs, args.routers)
     draw = partial(load_workload, vocab_size=profile.model.vocab_size)
-    workload = None if sweep is not None else draw(args.workload)
+    # Replicate 0 (the others are drawn later); a capacity search draws each rate's workload itself.
+    workload = None if sweep is not None or args.capacity else draw(args.workload)
     tokenizer = None
     if workload is not None and any(r.is_text for r in workload.requests):
         tokenizer = _tokenizer(args.tokenizer, configs[0][1].model.path)
