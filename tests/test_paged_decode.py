@@ -11,7 +11,7 @@ from support.attention_batches import packed_step
 from cbcore.backends.eager import EagerBackend
 from cbcore.backends.sdpa import SdpaBackend
 from cbcore.execution.backend import BackendUnavailable
-from cbcore.kernels import paged_decode
+from cbcore.kernels import native, paged_decode
 
 SCALE = 0.125
 
@@ -145,3 +145,21 @@ def test_every_row_is_computed_once_and_alike_whatever_the_threads(rows, monkeyp
         keys_, values = (t[slots].repeat_interleave(heads // kv_heads, dim=1).double() for t in (k, v))
         weights = (torch.einsum("hd,nhd->hn", q[row].double(), keys_) * SCALE).softmax(-1)
         torch.testing.assert_close(outs[1][row], torch.einsum("hn,nhd->hd", weights, values).float(), atol=2e-5, rtol=1e-4)
+
+
+def test_an_instruction_set_that_is_not_one_or_not_here_is_named(fresh_kernel, monkeypatch):
+    monkeypatch.setenv(native.ISA_ENV, "avx1024")
+    with pytest.raises(ValueError, match=r"CBCORE_KERNEL_ISA='avx1024': expected auto or one of avx512, avx2, plain"):
+        paged_decode.unavailable_reason()
+    missing = [isa for isa in native.ISAS if isa not in native.supported_isas()]
+    for isa in missing:  # on a CPU without AVX-512 (or AVX2): forcing it is refused, never quietly narrowed
+        monkeypatch.setenv(native.ISA_ENV, isa)
+        paged_decode.KERNEL.forget()
+        with pytest.raises(ValueError, match=f"CBCORE_KERNEL_ISA={isa}: this CPU lacks"):
+            paged_decode.unavailable_reason()
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx2", "fma"}))  # an AVX2-only CPU
+    assert native.supported_isas() == ["avx2", "plain"]
+    monkeypatch.setenv(native.ISA_ENV, "avx512")
+    paged_decode.KERNEL.forget()
+    with pytest.raises(ValueError, match="this CPU lacks avx512dq, avx512f"):
+        paged_decode.unavailable_reason()
