@@ -11,7 +11,7 @@ from support.attention_batches import packed_step
 from cbcore.backends.eager import EagerBackend
 from cbcore.backends.sdpa import SdpaBackend
 from cbcore.execution.backend import BackendUnavailable
-from cbcore.kernels import paged_decode
+from cbcore.kernels import native, paged_decode
 
 SCALE = 0.125
 
@@ -145,3 +145,45 @@ def test_every_row_is_computed_once_and_alike_whatever_the_threads(rows, monkeyp
         keys_, values = (t[slots].repeat_interleave(heads // kv_heads, dim=1).double() for t in (k, v))
         weights = (torch.einsum("hd,nhd->hn", q[row].double(), keys_) * SCALE).softmax(-1)
         torch.testing.assert_close(outs[1][row], torch.einsum("hn,nhd->hd", weights, values).float(), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("isa", native.supported_isas())
+@pytest.mark.parametrize("head_dim", [64, 24, 20])  # 24: AVX2's vectors, not AVX-512's; 20: plain loops only
+def test_every_instruction_set_this_cpu_runs_matches_a_plain_softmax(isa, head_dim, fresh_kernel, monkeypatch):
+    """Each build ``$CBCORE_KERNEL_ISA`` forces is the one loaded, and computes the same attention:
+    runs of every length (tails of a 16- and an 8-key chunk), a row whose largest score comes late."""
+    monkeypatch.setenv(native.ISA_ENV, isa)
+    torch.manual_seed(2)
+    heads, kv_heads, block_size, rows = 6, 2, 16, 5
+    counts = torch.tensor([1, 7, 16, 45, 70])
+    tables = torch.randperm(rows * 5).view(rows, 5).to(torch.int32)
+    k = torch.randn(rows * 5 * block_size, kv_heads, head_dim)
+    v = torch.randn(rows * 5 * block_size, kv_heads, head_dim)
+    q = torch.randn(rows, heads, head_dim) * 4
+    k[tables[4, 4].long() * block_size + 3] *= 8  # row 4's largest scores at position 67: rescales all before it
+    keys = paged_decode.PagedRows(tables, torch.zeros(rows, dtype=torch.long), counts, block_size)
+    got = paged_decode.paged_decode(q, k, v, keys, SCALE)
+    assert f"paged_decode-{isa}-" in paged_decode.KERNEL.load()[1]
+    for row in range(rows):
+        slots = (tables[row].long()[:, None] * block_size + torch.arange(block_size)).reshape(-1)[: counts[row]]
+        keys_, values = (t[slots].repeat_interleave(heads // kv_heads, dim=1).double() for t in (k, v))
+        weights = (torch.einsum("hd,nhd->hn", q[row].double(), keys_) * SCALE).softmax(-1)
+        torch.testing.assert_close(got[row], torch.einsum("hn,nhd->hd", weights, values).float(), atol=2e-5, rtol=1e-4)
+
+
+def test_an_instruction_set_that_is_not_one_or_not_here_is_named(fresh_kernel, monkeypatch):
+    monkeypatch.setenv(native.ISA_ENV, "avx1024")
+    with pytest.raises(ValueError, match=r"CBCORE_KERNEL_ISA='avx1024': expected auto or one of avx512, avx2, plain"):
+        paged_decode.unavailable_reason()
+    missing = [isa for isa in native.ISAS if isa not in native.supported_isas()]
+    for isa in missing:  # on a CPU without AVX-512 (or AVX2): forcing it is refused, never quietly narrowed
+        monkeypatch.setenv(native.ISA_ENV, isa)
+        paged_decode.KERNEL.forget()
+        with pytest.raises(ValueError, match=f"CBCORE_KERNEL_ISA={isa}: this CPU lacks"):
+            paged_decode.unavailable_reason()
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx2", "fma"}))  # an AVX2-only CPU
+    assert native.supported_isas() == ["avx2", "plain"]
+    monkeypatch.setenv(native.ISA_ENV, "avx512")
+    paged_decode.KERNEL.forget()
+    with pytest.raises(ValueError, match="this CPU lacks avx512dq, avx512f"):
+        paged_decode.unavailable_reason()

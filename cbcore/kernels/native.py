@@ -5,7 +5,14 @@ may include). It is compiled with the machine's C compiler (``$CC``, else
 ``cc``) for this CPU (``-march=native``) and kept under cbcore's cache
 directory, named by a hash of the sources, the flags, the compiler and the
 CPU model, so a later process loads it in milliseconds and a
-changed CPU or source builds anew. It is linked against the OpenMP runtime
+changed CPU or source builds anew.
+
+Which vector instructions a build may use is its instruction set (:data:`ISAS`):
+``avx512``, ``avx2`` or ``plain`` (the kernels' C loops, vectorised by the
+compiler alone). A kernel is built for the widest one the CPU supports;
+``$CBCORE_KERNEL_ISA`` forces a narrower one for every kernel, so that each
+path runs and is tested on one machine (an AVX-512 machine runs what an
+AVX2-only CPU would). It is linked against the OpenMP runtime
 torch has already loaded, so its threads are torch's threads. ctypes rather
 than a torch extension: no torch headers, no pybind, a build of a fraction of
 a second instead of a minute. Where no compiler is found or the build fails,
@@ -32,6 +39,15 @@ from cbcore.log import get_logger
 log = get_logger(__name__)
 
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC")
+ISA_ENV = "CBCORE_KERNEL_ISA"
+_X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+#: Instruction sets, widest first: the flags that narrow ``-march=native`` to it, and the CPU features
+#: (``/proc/cpuinfo`` flags) it needs. ``plain`` builds everywhere.
+ISAS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
+    "avx512": ((), frozenset({"avx512f", "avx512dq", "avx2", "fma"})),
+    "avx2": (("-mno-avx512f",), frozenset({"avx2", "fma"})),
+    "plain": (("-mno-avx2", "-mno-avx512f") if _X86 else (), frozenset()),
+}
 
 
 class KernelUnavailable(RuntimeError):
@@ -52,6 +68,36 @@ def hardware_name(device: torch.device | None = None) -> str:
     return platform.processor() or platform.machine()
 
 
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as the kernel reports them (empty where there is no /proc/cpuinfo)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    line = next((x for x in text.splitlines() if x.startswith(("flags", "Features"))), "")
+    return frozenset(line.split(":", 1)[-1].split())
+
+
+def supported_isas() -> list[str]:
+    """The instruction sets this CPU runs, widest first (``plain`` always)."""
+    return [name for name, (_, needs) in ISAS.items() if needs <= cpu_flags() and (_X86 or not needs)]
+
+
+def forced_isa() -> str | None:
+    """The instruction set ``$CBCORE_KERNEL_ISA`` forces (None: the widest this CPU runs).
+
+    A value that is not an instruction set, or one this CPU lacks, is an error (not a quiet fallback)."""
+    value = os.environ.get(ISA_ENV, "auto").strip().lower() or "auto"
+    if value == "auto":
+        return None
+    if value not in ISAS:
+        raise ValueError(f"${ISA_ENV}={value!r}: expected auto or one of {', '.join(ISAS)}")
+    if value not in supported_isas():
+        raise ValueError(f"${ISA_ENV}={value}: this CPU lacks {', '.join(sorted(ISAS[value][1] - cpu_flags()))}")
+    return value
+
+
 def _compiler() -> str | None:
     explicit = os.environ.get("CC")
     if explicit:
@@ -59,21 +105,22 @@ def _compiler() -> str | None:
     return shutil.which("cc") or shutil.which("gcc")
 
 
-def _library_path(source: Path, compiler: str) -> Path:
-    identity = "\n".join([compiler, " ".join(FLAGS), hardware_name(), platform.machine()]).encode()
+def _library_path(source: Path, compiler: str, isa: str) -> Path:
+    identity = "\n".join([compiler, " ".join((*FLAGS, *ISAS[isa][0])), hardware_name(), platform.machine()]).encode()
     headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # what it may include
     digest = hashlib.sha256(source.read_bytes() + headers + b"\0" + identity).hexdigest()[:16]
-    return cache_root() / "kernels" / f"{source.stem}-{digest}.so"
+    return cache_root() / "kernels" / f"{source.stem}-{isa}-{digest}.so"
 
 
-def _build(source: Path, compiler: str, target: Path) -> None:
+def _build(source: Path, compiler: str, target: Path, isa: str) -> None:
     """Compile into a temporary file beside ``target``, then rename: concurrent builders never see half a file."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{source.stem}.", suffix=".so")
     os.close(fd)
     try:
         result = subprocess.run(
-            [compiler, *FLAGS, str(source), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=300
+            [compiler, *FLAGS, *ISAS[isa][0], str(source), "-o", tmp, "-lm"], capture_output=True, text=True,
+            timeout=300,
         )
         if result.returncode != 0:
             raise KernelUnavailable(
@@ -106,22 +153,23 @@ class NativeKernel:
         compiler = _compiler()
         if compiler is None:
             return None, f"no C compiler found ({os.environ.get('CC') or 'cc'!r} is not on PATH; install gcc or set $CC)"
-        target = _library_path(source, compiler)
+        isa = forced_isa() or supported_isas()[0]
+        target = _library_path(source, compiler, isa)
         origin = f"cached {target}"
         try:
             if not target.exists():
                 try:
-                    _build(source, compiler, target)
+                    _build(source, compiler, target, isa)
                 except OSError as exc:  # an unwritable cache: build where this process may write
                     log.warning("kernel cache not writable; building in a temporary directory", error=str(exc))
                     target = Path(tempfile.mkdtemp(prefix="cbcore-kernels-")) / target.name
-                    _build(source, compiler, target)
+                    _build(source, compiler, target, isa)
                 origin = f"built {target}"
             fn = getattr(ctypes.CDLL(str(target)), self.symbol)
         except (KernelUnavailable, OSError, subprocess.SubprocessError, AttributeError) as exc:
             return None, str(exc)
         fn.argtypes, fn.restype = self.argtypes, ctypes.c_int
-        log.debug("native kernel", symbol=self.symbol, origin=origin)
+        log.debug("native kernel", symbol=self.symbol, isa=isa, origin=origin)
         return fn, origin
 
     @functools.cached_property
@@ -138,8 +186,9 @@ class NativeKernel:
         return None if fn is not None else text
 
     def forget(self) -> None:
-        """Decide again on the next call (after a change of ``$CC`` or of the cache directory)."""
+        """Decide again on the next call (after a change of ``$CC``, ``$CBCORE_KERNEL_ISA`` or the cache directory)."""
         self._loaded = None
+        self.__dict__.pop("fn", None)
 
 
 #: glibc's ``mallopt`` parameters: below this size an allocation comes from the heap; what is freed stays.

@@ -4,7 +4,7 @@ The ``sdpa`` backend's decode rows otherwise copy every row's keys and values
 out of the block pool into a right-padded tensor on every layer, then run
 SDPA over the copy: at 32 rows of 1,024 tokens that copy alone is most of
 the attention's time. ``paged_decode.c`` reads the pool in place through the
-block tables instead (one pass over the keys, one over the values). It is
+block tables instead (one pass over keys and values, a running softmax). It is
 built and loaded by :mod:`cbcore.kernels.native`; where it cannot be,
 :func:`unavailable_reason` says why, and the backend decides (see
 ``backends/sdpa.py``).

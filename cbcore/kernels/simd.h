@@ -1,5 +1,7 @@
 /* What cbcore's C kernels share: CB_AVX2 (1 where the compiler targets AVX2 with FMA, else 0: the
- * kernels' plain loops run), CB_AVX512 (1 where it also targets AVX-512F), with AVX2 exp8, and the attention kernels' loops.
+ * kernels' plain loops run), CB_AVX512 (1 where it also targets AVX-512F), exp8 (and exp16 with AVX-512),
+ * and the attention kernels' loops. Which of them a build targets is chosen when it is compiled
+ * (cbcore/kernels/native.py: the machine's own, or a narrower set asked for).
  *
  * exp8: e^x for eight floats at once. x = n ln2 + r with |r| <= ln2 / 2, e^r by a degree-6
  * polynomial (Cephes' expf coefficients), times 2^n through the exponent bits. Within 1 ulp of expf on [-86.5, 88] (checked at every 1e-6 step);
@@ -33,10 +35,72 @@ static inline __m256 exp8(__m256 x) {
 #else
 #define CB_AVX2 0
 #endif
-#if CB_AVX2 && defined(__AVX512F__)
+#if CB_AVX2 && defined(__AVX512F__) && defined(__AVX512DQ__)
 #define CB_AVX512 1
 #else
 #define CB_AVX512 0
+#endif
+
+#if CB_AVX512
+/* exp8's arithmetic on sixteen floats. */
+static inline __m512 exp16(__m512 x) {
+    const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-86.5f), _CMP_LT_OQ);
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-86.5f)), _mm512_set1_ps(88.f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mul_ps((__mmask16)~tiny, p, _mm512_castsi512_ps(bits));
+}
+
+/* Sixteen horizontal sums at once: lane j of the result is the sum of a[j]'s lanes (a transposing
+ * reduction, 45 operations instead of sixteen separate reductions). */
+static inline __m512 sums16(const __m512 a[16]) {
+    __m512 b[8], c[4], d[2];
+    for (int i = 0; i < 8; i++) /* per 128-bit quarter: a[2i] lanes 0+2, a[2i+1] 0+2, a[2i] 1+3, a[2i+1] 1+3 */
+        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* per quarter: the quarter's sum for a[4i .. 4i + 3] */
+        const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+        c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    for (int i = 0; i < 2; i++) /* quarters 0+1 and 2+3 of c[2i], then of c[2i + 1] */
+        d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88), _mm512_shuffle_f32x4(d[0], d[1], 0xDD));
+}
+
+/* y[0:n] += sum over `count` rows of w[l] * v[l * stride + 0:n] (n a multiple of 16), 64 floats of y at
+ * a time in registers, each value row read front to back once per 64. */
+static inline void add_weighted16(float *restrict y, const float *restrict w, const float *restrict v, int64_t stride,
+                                  int64_t count, int64_t n) {
+    int64_t d = 0;
+    for (; d + 64 <= n; d += 64) {
+        __m512 a0 = _mm512_loadu_ps(y + d), a1 = _mm512_loadu_ps(y + d + 16), a2 = _mm512_loadu_ps(y + d + 32),
+               a3 = _mm512_loadu_ps(y + d + 48);
+        const float *x = v + d;
+        for (int64_t l = 0; l < count; l++, x += stride) {
+            const __m512 p = _mm512_set1_ps(w[l]);
+            a0 = _mm512_fmadd_ps(p, _mm512_loadu_ps(x), a0), a1 = _mm512_fmadd_ps(p, _mm512_loadu_ps(x + 16), a1);
+            a2 = _mm512_fmadd_ps(p, _mm512_loadu_ps(x + 32), a2), a3 = _mm512_fmadd_ps(p, _mm512_loadu_ps(x + 48), a3);
+        }
+        _mm512_storeu_ps(y + d, a0), _mm512_storeu_ps(y + d + 16, a1);
+        _mm512_storeu_ps(y + d + 32, a2), _mm512_storeu_ps(y + d + 48, a3);
+    }
+    for (; d < n; d += 16) {
+        __m512 a = _mm512_loadu_ps(y + d);
+        const float *x = v + d;
+        for (int64_t l = 0; l < count; l++, x += stride) a = _mm512_fmadd_ps(_mm512_set1_ps(w[l]), _mm512_loadu_ps(x), a);
+        _mm512_storeu_ps(y + d, a);
+    }
+}
 #endif
 
 /* The attention kernels' inner loops (paged_decode.c, prompt_attention.c): a dot product, y += p x,
@@ -109,6 +173,19 @@ static inline void add_weighted8(float *restrict y, const float *restrict w, con
     }
 }
 
+
+/* The largest and the sum of eight lanes. */
+static inline float max8(__m256 v) {
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
+
+static inline float sum8(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
 #endif
 
 /* Softmax of w[0:n] in place, unnormalised; returns the sum that normalises it. */
