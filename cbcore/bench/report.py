@@ -10,6 +10,7 @@ from typing import Any
 
 from cbcore.bench.classes import class_lines
 from cbcore.bench.suite import BenchResult
+from cbcore.bench.traces import describe_rule
 
 # (header, row key, scale, format): latencies are shown in milliseconds.
 COLUMNS: tuple[tuple[str, str, float, str], ...] = (
@@ -63,6 +64,7 @@ def table(result: BenchResult) -> str:
     lines = [
         f"workload {w['name']}: {w['num_requests']} requests {over} {w['arrival_span_s']:.1f} s "
         "(latencies in ms; overhead = share of busy time outside the model forward)",
+        *([describe_rule(w["trace"])] if w.get("trace") else []),
         fmt_line(header),
         fmt_line(["-" * n for n in widths]),
         *(fmt_line(b) for b in body),
