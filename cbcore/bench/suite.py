@@ -22,8 +22,6 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from cbcore.bench.classes import deadline_stats, per_class
 from cbcore.bench.driver import ProgressFactory, RunResult, drive, no_progress, warm_up
 from cbcore.bench.memory import PeakRSS, process_peak_rss_bytes
@@ -34,6 +32,8 @@ from cbcore.log import get_logger
 from cbcore.outputs import RequestOutput
 
 if TYPE_CHECKING:
+    import torch
+
     from cbcore.testing.reference import ReferenceOutput
 
 log = get_logger(__name__)
@@ -320,9 +320,10 @@ def baseline_limits(configs: Seq[tuple[str, EngineConfig]]) -> tuple[int, int]:
     return max(seqs, default=16), max(tokens, default=512)
 
 
-@torch.inference_mode()
 def _warm_model(model: torch.nn.Module, token_ids: Seq[Seq[int]]) -> None:
     """One plain forward, so the process's first-call costs (allocator, kernels) are not timed."""
+    import torch
+
     device = next(model.parameters()).device
-    ids = torch.tensor([list(token_ids[0][:16])], device=device)
-    model(input_ids=ids)
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([list(token_ids[0][:16])], device=device))

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from cbcore.bench.driver import VirtualClock
 from cbcore.config import EngineConfig
 from cbcore.engine_core import EngineCore
@@ -68,6 +66,8 @@ def sim_num_blocks(config: EngineConfig, profile: Profile) -> int:
             return max(1, tokens // kv.block_size)
         if (memory_mb := profile.kv_memory_mb()) is not None:
             kv = kv.model_copy(update={"max_memory_mb": memory_mb})
+    import torch
+
     from cbcore.execution.runner import KVGeometry, plan_num_blocks  # imports transformers: only when needed
 
     m = profile.model
