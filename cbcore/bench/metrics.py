@@ -99,7 +99,9 @@ def completed(out: RequestOutput) -> bool:
 
 
 def latency_samples(outputs: Seq[RequestOutput]) -> dict[str, Any]:
-    """Every request's TTFT, TPOT, e2e and queue time (lists), and every ITL gap (completed requests only).
+    """Every request's TTFT, TPOT, e2e and queue time, normalised latency (e2e per output token, the
+    latency a reader of a stream perceives: Orca's and vLLM's "normalized latency") as lists, and every
+    ITL gap (completed requests only).
 
     The ITL gaps are a float64 array: a trace hour has millions of them, which
     as Python floats would take ~32 bytes each instead of 8.
@@ -111,6 +113,7 @@ def latency_samples(outputs: Seq[RequestOutput]) -> dict[str, Any]:
         "itl": itl_gaps(done),
         "e2e": [m.e2e for m in done if m.e2e is not None],
         "queue": [m.queue_time for m in done if m.queue_time is not None],
+        "norm_latency": [m.e2e / m.output_len for m in done if m.e2e is not None and m.output_len > 0],
     }
 
 
@@ -239,7 +242,7 @@ def summarize(
         "total_tokens_per_s": (in_tokens + out_tokens) / duration_s,
         "request_throughput": len(done) / duration_s,
     }
-    for key in ("ttft", "tpot", "itl", "e2e", "queue"):
+    for key in ("ttft", "tpot", "itl", "e2e", "queue", "norm_latency"):
         row.update(distribution(key, samples[key]))
     if slo is not None:
         good = sum(slo.met(o.metrics) for o in done)
