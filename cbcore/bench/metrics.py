@@ -123,7 +123,8 @@ def itl_gaps(metrics: Seq[RequestMetrics]) -> np.ndarray:
     times = np.fromiter(chain.from_iterable(m.token_times for m in metrics), np.float64, count=int(counts.sum()))
     if times.size < 2:
         return np.empty(0)
-    gaps = np.diff(times)
+    gaps = times[:-1]
+    np.subtract(times[1:], gaps, out=gaps)  # in place: a trace hour's gaps are tens of MB
     ends = np.cumsum(counts)[:-1] - 1  # the gap from a request's last token to the next request's first
     return np.delete(gaps, ends[(ends >= 0) & (ends < gaps.size)])
 
