@@ -112,13 +112,12 @@ def build_decode_plan(
     batch: FlatBatch, seq_ids: list[int], sliding_window: int | None, dtype: torch.dtype, paged: bool
 ) -> DecodePlan:
     """Where each single-token row's visible keys lie (paged), or their padded slots and mask (gathered)."""
-    device = batch.device
+    device = batch.input_ids.device
     ranges = [visible_key_range(batch.context_lens[i], 1, sliding_window) for i in seq_ids]
     starts, counts = [lo for lo, _ in ranges], [hi - lo for lo, hi in ranges]
     start, count = (torch.tensor(x, dtype=torch.long, device=device) for x in (starts, counts))
-    rows = None
-    if len(seq_ids) != batch.num_seqs:
-        rows = batch.cu_seqlens_q.long()[torch.tensor(seq_ids, device=device)]
+    whole = len(seq_ids) == len(batch.query_lens)  # every row decodes: no row index needed
+    rows = None if whole else batch.cu_seqlens_q.long()[torch.tensor(seq_ids, device=device)]
     if paged:  # the CPU kernels (start and count are on the CPU too)
         tables = batch.block_tables if rows is None else batch.block_tables[torch.tensor(seq_ids)]
         return DecodePlan(rows, PagedRows(tables.contiguous(), start, count, batch.block_size))

@@ -21,7 +21,7 @@ _EXPORTS = {
         "cbcore.engine": ["Engine"],
         "cbcore.config": ["EngineConfig"],
         "cbcore.scheduling.sampling_params": ["SamplingParams"],
-        "cbcore.outputs": ["RequestOutput", "RequestMetrics", "EngineLoad"],
+        "cbcore.outputs": ["RequestOutput", "RequestMetrics"],
         "cbcore.scheduling.sequence": ["FinishReason"],
         "cbcore.scheduling.request": ["RequestError"],
         # writing a policy
@@ -31,7 +31,7 @@ _EXPORTS = {
         ],
         "cbcore.scheduling.scheduler": ["SchedulerError", "SchedulerStall"],
         # writing a router or a backend, and registering plugins
-        "cbcore.scale.router": ["Router", "RouteRequest", "ReplicaView", "RouterError"],
+        "cbcore.scale.router": ["Router", "RouteRequest", "ReplicaView", "RouterError", "EngineLoad", "engine_load"],
         "cbcore.execution.backend": ["Backend", "BackendUnavailable"],
         "cbcore.plugins": ["NoParams", "PluginError", "hookimpl"],
     }.items()

@@ -13,7 +13,7 @@ import math
 import os
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Self, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, StrictBool, ValidationError, model_validator
@@ -50,19 +50,14 @@ class PluginSpec(BaseModel):
         return dict(self.model_extra or {})
 
 
-class _Strict(BaseModel):
+class Strict(BaseModel):
     """Unknown keys fail, values are not coerced ("5" is not 5), numbers are finite, and a config never
     changes once made."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
-#: The longest a time limit of the server may be: one day. A longer one is a mistake, and one past what
-#: the clocks hold (``1e300``) would only fail once the model has loaded.
-MAX_SECONDS = 86_400.0
-
-
-class SchedulerConfig(_Strict):
+class SchedulerConfig(Strict):
     """One policy per extension point and the phase order, or ``name`` naming a whole-scheduler replacement."""
 
     queue: PluginSpec = PluginSpec(name="fcfs")
@@ -94,7 +89,7 @@ MAX_KV_MEMORY_MB = float(2**30)
 MAX_BLOCKS = 2**31
 
 
-class KVCacheConfig(_Strict):
+class KVCacheConfig(Strict):
     block_size: int = Field(16, gt=0, le=2**16)
     num_blocks: int | None = Field(None, gt=0, le=MAX_BLOCKS)  # None: as many as max_memory_mb holds
     # the device KV pool's budget when num_blocks is None
@@ -106,7 +101,7 @@ class KVCacheConfig(_Strict):
     prefix_caching: StrictBool = True
 
 
-class ModelConfig(_Strict):
+class ModelConfig(Strict):
     path: str | None = None  # HF model directory or hub id; None: the embedded default
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "float32"
     device: str = "cpu"
@@ -114,26 +109,7 @@ class ModelConfig(_Strict):
     trust_remote_code: bool = False
 
 
-class ServeConfig(_Strict):
-    """`cb serve` only: admission limits and shutdown; the engine itself ignores this section."""
-
-    max_waiting: PositiveInt | None = 1024  # queued, not running, beyond which new requests get 503; None: no limit
-    retry_after_s: int = Field(1, gt=0, le=MAX_SECONDS)  # the Retry-After header of a 503
-    shutdown_grace_s: float = Field(30.0, ge=0, le=MAX_SECONDS)  # on SIGTERM/SIGINT, how long requests may still run
-    protect_metrics: bool = False  # require the API key on /health and /metrics too
-    # The largest request body, enforced while it is read (413 beyond); None: max(1 MiB, 32 bytes per
-    # token of the model's context).
-    max_body_bytes: PositiveInt | None = None
-    header_timeout_s: float = Field(10.0, gt=0, le=MAX_SECONDS)  # for each request's headers to arrive
-    # Request line and headers together (431 beyond), counted as they arrive. At most 1 MiB: the HTTP parser
-    # joins a header's pieces in time that grows with the square of its length.
-    max_header_bytes: int = Field(64 * 1024, ge=1024, le=2**20)
-    body_timeout_s: float = Field(30.0, gt=0, le=MAX_SECONDS)  # for a request's whole body to arrive
-    # tokenise prompts and render chat templates off the HTTP event loop
-    tokenizer_threads: int = Field(2, gt=0, le=256)
-
-
-class ExecutionConfig(_Strict):
+class ExecutionConfig(Strict):
     """How the runner drives the model's kernels (numbers stay the same, speed changes).
 
     ``forward``: which code runs the model in engine steps: ``fused`` (cbcore's own forward for the
@@ -149,16 +125,23 @@ class ExecutionConfig(_Strict):
     linear: Literal["auto", "onednn", "standard"] = "auto"
 
 
-class EngineConfig(_Strict):
+#: Sections of a config file that the applications read and the engine does not, each with who reads
+#: it. One file holds both: the ``cb`` commands load it as ``cbcore.serve.config.Settings``.
+APPLICATION_SECTIONS = {
+    "serve": "`cb serve`'s section",
+    "router": "the replicas' router (`cb serve --replicas`, `cb simulate --replicas`)",
+}
+
+
+class EngineConfig(Strict):
+    """What the engine reads. A config file may hold more (:data:`APPLICATION_SECTIONS`): such a file is
+    the applications', loaded whole by ``cbcore.serve.config.Settings``, a subclass of this one."""
+
     # Strict everywhere, plugin params too (see plugins.py): "5" is not 5, "yes" is not True.
     scheduler: SchedulerConfig = SchedulerConfig()
     backend: PluginSpec = PluginSpec(name="sdpa")
-    # Which replica serves a request when several engines share the load (`cb serve --replicas`,
-    # simulation with replicas); a single engine never reads it.
-    router: PluginSpec = PluginSpec(name="least-loaded")
     kv_cache: KVCacheConfig = KVCacheConfig()
     model: ModelConfig = ModelConfig()
-    serve: ServeConfig = ServeConfig()
     execution: ExecutionConfig = ExecutionConfig()
     plugins: list[str] = Field(default_factory=list)  # modules or .py files that implement cbcore hooks
 
@@ -172,27 +155,35 @@ class EngineConfig(_Strict):
             raise ValueError(f"{where}: {value!r} is not a finite number")
         return data
 
+    @model_validator(mode="before")
+    @classmethod
+    def _engine_sections_only(cls, data: Any) -> Any:
+        """An application's section is named, with the model that reads it, instead of being dropped or
+        refused as an unknown key."""
+        if isinstance(data, dict) and (found := sorted(APPLICATION_SECTIONS.keys() & data.keys() - cls.model_fields)):
+            named = "; ".join(f"{key}: {APPLICATION_SECTIONS[key]}, which the engine does not read" for key in found)
+            raise ValueError(f"{named}; load the whole file with cbcore.serve.config.Settings (the cb commands do)")
+        return data
+
     @model_validator(mode="after")
-    def _check_plugins(self) -> EngineConfig:
+    def _check_plugins(self) -> Self:
         registry = get_registry(tuple(self.plugins))
         if self.scheduler.name is not None:
             registry.params_for("scheduler", self.scheduler.name, self.scheduler.params, "scheduler")
         for slot in SLOTS:
             spec: PluginSpec = getattr(self.scheduler, slot)
             registry.params_for(slot, spec.name, spec.params, f"scheduler.{slot}")
-        for kind in ("backend", "router"):
-            spec = getattr(self, kind)
-            registry.params_for(kind, spec.name, spec.params, kind)
+        registry.params_for("backend", self.backend.name, self.backend.params, "backend")
         return self
 
     # -- loading -------------------------------------------------------------
 
     @classmethod
-    def from_file(cls, path: str | Path, overrides: list[str] | None = None) -> EngineConfig:
+    def from_file(cls, path: str | Path, overrides: list[str] | None = None) -> Self:
         return cls.from_dict(read_config_file(path), overrides)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], overrides: list[str] | None = None) -> EngineConfig:
+    def from_dict(cls, data: dict[str, Any], overrides: list[str] | None = None) -> Self:
         return cls.model_validate(apply_overrides(data, overrides or []))
 
 
@@ -310,8 +301,17 @@ class ConfigError(ValueError):
 
 
 def format_validation_error(exc: ValidationError) -> str:
-    """One line per problem: ``key.path: message``; an unknown key gets the closest known one suggested."""
+    """One line per problem: ``key.path: message``; an unknown key gets the closest known one suggested
+    (from the fields of the model that failed: this module's, and those registered with :func:`suggests_keys`)."""
     return "; ".join(validation_problems(exc, _MODELS.get(exc.title)))
 
 
-_MODELS = {m.__name__: m for m in (EngineConfig, SchedulerConfig, KVCacheConfig, ModelConfig)}
+_MODELS: dict[str, type[BaseModel]] = {m.__name__: m for m in (EngineConfig, SchedulerConfig, KVCacheConfig, ModelConfig)}
+_Model = TypeVar("_Model", bound=type[BaseModel])
+
+
+def suggests_keys(model: _Model) -> _Model:
+    """Class decorator: :func:`format_validation_error` suggests this config model's keys (found by its
+    name, which a ValidationError carries). For the models defined outside this module."""
+    _MODELS[model.__name__] = model
+    return model

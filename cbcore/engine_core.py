@@ -19,20 +19,21 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Protocol
 
 from tqdm import tqdm
 
 from cbcore.config import EngineConfig
 from cbcore.log import get_logger
-from cbcore.outputs import EngineLoad, RequestOutput, StepStats, StepTotals
+from cbcore.outputs import RequestOutput, StepStats, StepTotals
 from cbcore.scheduling.door import PolicyError
 from cbcore.scheduling.plan import Sampled, StepPlan
 from cbcore.scheduling.policy_scheduler import build_scheduler
 from cbcore.scheduling.request import Prompt, Request, RequestError, check_request, encode_prompt
 from cbcore.scheduling.sampling_params import SamplingParams
 from cbcore.scheduling.scheduler import Scheduler, SchedulerError, SchedulerOutput
-from cbcore.scheduling.sequence import FinishReason, Sequence, SequenceStatus
+from cbcore.scheduling.sequence import FinishReason, Sequence
 from cbcore.scheduling.step import Steps, StepTransaction
 
 log = get_logger(__name__)
@@ -52,7 +53,7 @@ class StepRecord:
 
     stats: StepStats
     output: SchedulerOutput
-    batch: Any  # the executor's packed batch (a FlatBatch for the model), or None
+    batch: Any  # what the executor prepared (the model's FlatBatch, the simulator's StepShape), or None
     outputs: list[RequestOutput]
 
 
@@ -60,10 +61,9 @@ class Executor(Protocol):
     """Runs a checked plan, timed in three parts; ``sample`` gets the RNG states saved before it
     (to redo a row alone, with the draws it would get alone, if sampling the batch fails)."""
 
-    def prepare(self, plan: StepPlan) -> Any: ...
+    def prepare(self, plan: StepPlan) -> Any: ...  # what forward runs (the model's packed batch, or the step's shape)
     def forward(self, prepared: Any) -> Any: ...
     def sample(self, prepared: Any, forwarded: Any, rng_states: list[tuple[Any, Any]]) -> Sampled: ...
-    def batch_of(self, prepared: Any) -> Any: ...
 
 
 class EngineCore:
@@ -154,46 +154,23 @@ class EngineCore:
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request wherever it is; its KV blocks are freed at once."""
-        if (seq := self.scheduler.abort(request_id)) is not None:
-            self._live.pop(request_id, None)
+        seq = self.scheduler.abort(request_id)
+        self._live.pop(request_id, None)  # out of the engine's own count, whatever the scheduler still knew
+        if seq is not None:
             log.info("request aborted", request_id=request_id, generated=seq.num_output_tokens)
         return seq is not None
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return bool(self._live)  # the engine's own count: a scheduler plugin that loses a request cannot end it
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix no request holds (a benchmark's cold start); returns how many blocks."""
         return self.scheduler.blocks.reset_prefix_cache()
 
-    def load(self) -> EngineLoad:
-        """A read-only snapshot of queues, tokens, KV use and counters (read it between steps)."""
-        blocks = self.scheduler.blocks
-        # The server reads this after every step: one plain pass, no properties, per request.
-        waiting, running = SequenceStatus.WAITING, SequenceStatus.RUNNING
-        num_waiting = num_running = waiting_tokens = running_tokens = 0
-        for seq in self._live.values():
-            status = seq.status
-            if status is waiting:
-                num_waiting += 1
-                waiting_tokens += len(seq.token_ids) - seq.num_computed_tokens
-            elif status is running:
-                num_running += 1
-                running_tokens += len(seq.token_ids)
-        recent = list(itertools.islice(reversed(self.step_stats), 16))
-        return EngineLoad(
-            num_waiting=num_waiting,
-            num_running=num_running,
-            num_swapped=len(self._live) - num_waiting - num_running,
-            kv_blocks_used=blocks.num_used_blocks,
-            kv_blocks_total=blocks.num_blocks,
-            num_preemptions_total=self.step_totals.preemptions,  # counted here: holds for any Scheduler
-            prefix_cache_queries_tokens=blocks.prefix_cache_queries_tokens,
-            prefix_cache_hits_tokens=blocks.prefix_cache_hits_tokens,
-            num_waiting_tokens=waiting_tokens,
-            num_running_tokens=running_tokens,
-            recent_step_s=sum(s.total_s for s in recent) / len(recent) if recent else 0.0,
-        )
+    @property
+    def requests(self) -> Mapping[str, Sequence]:
+        """Every request added and not yet ended, by id (read-only; read it between steps)."""
+        return MappingProxyType(self._live)
 
     # -- the loop ------------------------------------------------------------
 
@@ -216,10 +193,9 @@ class EngineCore:
                 out = self.scheduler.schedule()
                 plan = tx.check(out)
                 t1 = t2 = t3 = self.clock()
-                batch, sampled = None, _NOTHING
+                prepared, sampled = None, _NOTHING
                 if plan.rows:
                     prepared = self.executor.prepare(plan)
-                    batch = self.executor.batch_of(prepared)
                     t2 = self.clock()
                     forwarded = self.executor.forward(prepared)
                     t3 = self.clock()
@@ -246,7 +222,6 @@ class EngineCore:
             step=self.step_totals.steps + 1,
             num_seqs=len(out.scheduled),
             num_tokens=plan.num_tokens,
-            num_prefill_tokens=plan.num_tokens - plan.num_decode_tokens,
             num_decode_tokens=plan.num_decode_tokens,
             num_preempted=len(out.preempted),
             kv_blocks_used=blocks.num_used_blocks,
@@ -261,7 +236,7 @@ class EngineCore:
         self.step_totals.add(stats)
         self.step_stats.append(stats)
         for listener in self.step_listeners:
-            listener(StepRecord(stats, out, batch, outputs))
+            listener(StepRecord(stats, out, prepared, outputs))
         return outputs
 
     def _end(self, request_id: str, err: SchedulerError) -> Sequence:

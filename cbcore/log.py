@@ -28,6 +28,12 @@ def _render(logger: Any, method: str, event: dict[str, Any]) -> str:
 def get_logger(name: str) -> Any:
     return structlog.wrap_logger(
         logging.getLogger(name),
-        processors=[structlog.stdlib.filter_by_level, structlog.stdlib.add_logger_name, _render],
+        # exc_info (an exception, or True in an except block) becomes the traceback, under "exception"
+        processors=[
+            structlog.stdlib.filter_by_level,
+            structlog.stdlib.add_logger_name,
+            structlog.processors.format_exc_info,
+            _render,
+        ],
         wrapper_class=structlog.stdlib.BoundLogger,
     )

@@ -1,11 +1,18 @@
-"""What the engine hands back: per-request outputs and their latency metrics, per-step statistics, load."""
+"""What the engine hands back: per-request outputs and their latency metrics, per-step statistics."""
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from cbcore.scheduling.sequence import Sequence
+
+#: The Sequence attributes behind RequestMetrics' fields, in field order.
+_METRIC_FIELDS = attrgetter(
+    "arrival_time", "first_scheduled_time", "first_token_time", "token_times", "finish_time", "num_preemptions",
+    "num_prompt_tokens", "num_output_tokens", "prefix_cache_queries", "prefix_cache_hits",
+)
 
 
 @dataclass(frozen=True)
@@ -31,18 +38,9 @@ class RequestMetrics:
 
     @classmethod
     def of(cls, seq: Sequence) -> RequestMetrics:
-        return cls(
-            arrival_time=seq.arrival_time,
-            first_scheduled_time=seq.first_scheduled_time,
-            first_token_time=seq.first_token_time,
-            token_times=tuple(seq.token_times),
-            finish_time=seq.finish_time,
-            num_preemptions=seq.num_preemptions,
-            prompt_len=seq.num_prompt_tokens,
-            output_len=seq.num_output_tokens,
-            prefix_cache_queries=seq.prefix_cache_queries,
-            prefix_cache_hits=seq.prefix_cache_hits,
-        )
+        """The sequence's own fields, in this class's field order (``token_times`` copied)."""
+        values = _METRIC_FIELDS(seq)
+        return cls(*values[:3], tuple(values[3]), *values[4:])
 
     @property
     def queue_time(self) -> float | None:
@@ -119,7 +117,6 @@ class StepStats:
     step: int
     num_seqs: int
     num_tokens: int
-    num_prefill_tokens: int
     num_decode_tokens: int
     num_preempted: int
     kv_blocks_used: int
@@ -137,35 +134,13 @@ class StepStats:
         return self.schedule_s + self.prepare_s + self.forward_s + self.sample_s
 
     @property
+    def num_prefill_tokens(self) -> int:
+        return self.num_tokens - self.num_decode_tokens
+
+    @property
     def is_mixed(self) -> bool:
         """Prefill and decode tokens shared this step's forward."""
         return self.num_prefill_tokens > 0 and self.num_decode_tokens > 0
-
-
-@dataclass(frozen=True)
-class EngineLoad:
-    """How busy an engine is right now: what ``/metrics``, routers and benchmarks read.
-
-    A snapshot taken between steps, so it is consistent with itself; counted
-    from the engine's own requests, so it holds for any scheduler.
-    """
-
-    num_waiting: int
-    num_running: int
-    num_swapped: int
-    kv_blocks_used: int
-    kv_blocks_total: int
-    num_preemptions_total: int
-    prefix_cache_queries_tokens: int = 0
-    prefix_cache_hits_tokens: int = 0
-    num_waiting_tokens: int = 0  # prompt (and recompute) tokens the waiting requests still have to prefill
-    num_running_tokens: int = 0  # tokens the running requests hold in the KV cache or are computing
-    recent_step_s: float = 0.0  # mean duration of the last steps (0.0 before the first)
-
-    @property
-    def kv_usage(self) -> float:
-        """Share of the device KV pool in use (0.0 to 1.0)."""
-        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
 
 
 @dataclass

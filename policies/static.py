@@ -48,8 +48,11 @@ class Static(BudgetPolicy):
     def joining(self, state: SchedulerState) -> frozenset[str]:
         """While the wave is open: the waiting requests it takes, the first in queue order, up to its size."""
         if self._wave[0] is not state:  # remembered per step: may_admit asks once per waiting request
-            room = self.params.max_num_seqs - len(self.members)
-            first = [w.request_id for w in state.waiting if w.request_id not in self.members][: max(room, 0)]
+            # Running requests count even before their first event (under vLLM's async scheduling a step is
+            # planned before the previous one's results are told).
+            taken = self.members.union(v.request_id for v in state.running)
+            room = self.params.max_num_seqs - len(taken)
+            first = [w.request_id for w in state.waiting if w.request_id not in taken][: max(room, 0)]
             self._wave = (state, frozenset(first))
         return self._wave[1]
 

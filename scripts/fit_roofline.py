@@ -12,28 +12,14 @@ compute and memory time, and their sum); prints the errors as JSON
 
 from __future__ import annotations
 
-import itertools
 import json
 import sys
 
-from cbcore.sim.anchor import LLAMA_2_7B, check_linear, load_linear
-from cbcore.sim.model_shape import ModelShape
+from cbcore.sim.anchor import LLAMA_2_7B, check_linear, fit_efficiencies, load_linear
 from cbcore.sim.roofline import Hardware
 
 # Data-sheet numbers of the H100 SXM: dense BF16 tensor-core FLOP/s, HBM3 bandwidth.
 H100_SXM = Hardware(name="NVIDIA H100 SXM", peak_flops=989e12, mem_bandwidth=3.35e12)
-
-
-def fit_efficiencies(hw: Hardware, model: ModelShape, timings: list[tuple[int, float]]) -> Hardware:
-    """The (FLOP/s, bandwidth) efficiencies on a 2 % grid with the smallest mean relative error."""
-    grid = [i / 100 for i in range(30, 101, 2)]
-    best = min(
-        itertools.product(grid, grid),
-        key=lambda fb: check_linear(
-            hw.model_copy(update={"flops_efficiency": fb[0], "bandwidth_efficiency": fb[1]}), model, timings
-        )["mean_abs"],
-    )
-    return hw.model_copy(update={"flops_efficiency": best[0], "bandwidth_efficiency": best[1]})
 
 
 def main(argv: list[str]) -> int:

@@ -13,7 +13,9 @@
 # Prints one markdown table; guidellm's JSON reports and logs and the server logs stay in $OUT.
 #
 # Usage: scripts/serve_vs_vllm.sh   (from anywhere), settings in the environment:
-#   SERVERS="vllm cbcore cbcore-vllm-limits transformers"   which servers, in this order
+#   SERVERS="vllm cbcore cbcore-vllm-limits transformers"   which servers, in this order; also
+#                                        vllm-fcfs / vllm-edf: the same vLLM with cbcore_vllm.Scheduler deciding
+#                                        (contrib/vllm; fcfs or contrib edf, vLLM's CPU limits in its budget)
 #   STREAMS="16 64"                      concurrent streams, one guidellm run each
 #   REPEAT=1                             rounds of the whole server list (order reversed every other round)
 #   REQUESTS=                            requests per run (default: max(48, 3 x streams))
@@ -23,6 +25,10 @@
 #   MODEL=                               model directory (default: cbcore's default model, as HF files)
 #   HEALTH_TIMEOUT=900  RUN_TIMEOUT=1800 seconds a server may take to start / one guidellm run may last
 # SERVERS=mock runs guidellm's mock server instead: a check of this script that loads no model.
+# The adapter against vLLM alone (docs/vllm.md, "Speed"), all in one run, five alternated rounds:
+#   SERVERS="vllm vllm-fcfs vllm-edf" STREAMS="16 64" REPEAT=5 scripts/serve_vs_vllm.sh
+# then the table also gives each adapter server's ratio to vllm per round, with a 95 % interval
+# (scripts/serve_ratio.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -85,6 +91,11 @@ quoted() {  # a command line to copy: words single-quoted where the shell would 
 }
 listening() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 
+# adapter_config QUEUE: vLLM's --additional-config for cbcore_vllm.Scheduler with that queue policy.
+adapter_config() {
+  printf '{"cbcore": {"scheduler": {"queue": {"name": "%s"}, "budget": {"name": "token-budget", "max_num_seqs": 128, "max_num_batched_tokens": 2048}, "prefill": {"name": "chunked-prefill", "chunk_size": null}}}}' "$1"
+}
+
 # server_log NAME: the server's log of this round (no round suffix when there is one round).
 server_log() { if [ "$REPEAT" = 1 ]; then echo "$OUT/$1-server.log"; else echo "$OUT/$1-server-r$round.log"; fi; }
 
@@ -93,15 +104,19 @@ start_server() {
   local log
   log=$(server_log "$1")
   case $1 in
-    vllm)  # vllm_env() of contrib/vllm/tests/vllm_helpers.py, multiprocessing left on (vLLM's default);
-      # 0.32 logs no requests unless --enable-log-requests, so there is no --disable-log-requests.
-      local bind=0
+    vllm | vllm-fcfs | vllm-edf)  # vllm_env() of contrib/vllm/tests/vllm_helpers.py, multiprocessing left on
+      # (vLLM's default); 0.32 logs no requests unless --enable-log-requests, so no --disable-log-requests.
+      # The adapter's servers differ from vllm only by the scheduler class and its config: the budget has
+      # vLLM's CPU limits (VLLM_LIMITS), the prefill no chunk cap beyond the budget (vLLM's default).
+      local bind=0 adapter=()
       [ "$(nproc)" -eq 1 ] || bind=0-$(($(nproc) - 1))
+      [ "$1" = vllm ] || adapter=(--scheduler-cls cbcore_vllm.Scheduler --middleware cbcore_vllm.RequestCheck
+        --additional-config "$(adapter_config "${1#vllm-}")")
       setsid env -u VIRTUAL_ENV LD_PRELOAD="$VLLM_VENV/lib/libiomp5.so" VLLM_CPU_KVCACHE_SPACE=1 \
         VLLM_CPU_OMP_THREADS_BIND="$bind" VLLM_CPU_NUM_OF_RESERVED_CPU=0 \
         VLLM_NO_USAGE_STATS=1 VLLM_HOST_IP=127.0.0.1 \
         "$VLLM_VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$MODEL" --dtype float32 \
-        --host 127.0.0.1 --port "$2" --max-model-len 2048 --block-size 32 >"$log" 2>&1 &
+        --host 127.0.0.1 --port "$2" --max-model-len 2048 --block-size 32 "${adapter[@]}" >"$log" 2>&1 &
       ;;
     cbcore | cbcore-vllm-limits)
       local limits=
@@ -118,7 +133,7 @@ start_server() {
       setsid "$GLV/bin/guidellm" mock-server --host 127.0.0.1 --port "$2" --model mock \
         --ttft-ms 40 --itl-ms 10 --output-tokens 200 >"$log" 2>&1 &
       ;;
-    *) echo "unknown server '$1' (SERVERS: vllm cbcore cbcore-vllm-limits transformers)" >&2; return 1 ;;
+    *) echo "unknown server '$1' (SERVERS: vllm vllm-fcfs vllm-edf cbcore cbcore-vllm-limits transformers)" >&2; return 1 ;;
   esac
   SERVER_PID=$!
 }
@@ -240,5 +255,9 @@ versions() {  # what ran: the commit, and each venv's package as installed
   echo "Versions: $(versions)"
   echo
   "$GLV/bin/python" scripts/serve_table.py "${rows[@]}"
+  if [[ " $SERVERS " == *" vllm "* && " $SERVERS " == *" vllm-"* && $REPEAT -ge 2 ]]; then
+    echo
+    "$GLV/bin/python" scripts/serve_ratio.py --baseline vllm "${rows[@]}"
+  fi
 } | tee "$OUT/table.md"
 exit $status

@@ -44,6 +44,7 @@ from cbcore.cli.common import scheduler_from_mix
 from cbcore.cli.options_util import load_model
 from cbcore.config import EngineConfig
 from cbcore.engine import Engine
+from cbcore.serve.config import Settings
 from cbcore.sim.profile import load_profile
 from cbcore.sim.shape import StepShape
 from cbcore.sim.suite import simulate_suite
@@ -104,7 +105,8 @@ def compare(args: argparse.Namespace) -> None:
         print("| mix | " + " | ".join(FIGURES) + " | preemptions | steps | real steps priced |")
         print("|---" * (len(FIGURES) + 4) + "|")
         for mix, tries in real["runs"].items():
-            config = EngineConfig.model_validate(real["configs"][mix])
+            # Settings: a results file may hold the serve and router sections too (older ones do).
+            config = Settings.model_validate(real["configs"][mix])
             sim = simulate_suite(profile, workload, token_ids, [(mix, config)]).rows[0]
             cells = []
             for key in FIGURES:

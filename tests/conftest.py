@@ -1,15 +1,15 @@
-"""Shared fixtures: tiny models and their per-prompt references, built once per session."""
+"""Fixtures and hooks only: tiny models and their per-prompt references, built once per session; the test
+server. What test modules import lives in the ``support`` package beside this file."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
+from support import CAPS, PROMPTS, SERVE_ARGS, SERVE_KEY, LazyDict
 
-from cbcore.testing import random_prompts, reference_generate, tiny_model
+from cbcore.testing import reference_generate, tiny_model
 from cbcore.testing.reference import ReferenceOutput
 
 # A local Ray instance binds its services to loopback rather than the machine's
@@ -19,30 +19,6 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 # Tiny models gain nothing from intra-op threads, and on a small shared machine
 # threads fighting over cores slow every test down by an order of magnitude.
 torch.set_num_threads(1)
-
-# 16 prompts of 1-64 tokens; caps cover 1 and 96 and much in between.
-PROMPTS = random_prompts(16, 1, 64, seed=0)
-CAPS = [1, 96, 17, 64, 5, 80, 33, 2, 48, 90, 12, 70, 25, 96, 8, 40]
-PRIORITIES = [i % 3 for i in range(16)]
-CLIENTS = ["alice" if i % 3 else "bob" for i in range(16)]
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests marked ``starts_early`` first: they start processes that later tests wait on (vLLM's, whose tests
-    come last), so that those start-ups overlap the suite instead of holding it up."""
-    items.sort(key=lambda item: item.get_closest_marker("starts_early") is None)  # stable: the rest keep their order
-
-
-class LazyDict(dict):
-    """Builds a value on first access to its key."""
-
-    def __init__(self, make: Callable[[str], Any]) -> None:
-        super().__init__()
-        self.make = make
-
-    def __missing__(self, key: str) -> Any:
-        value = self[key] = self.make(key)
-        return value
 
 
 @pytest.fixture(scope="session")
@@ -58,10 +34,6 @@ def references(models: dict[str, torch.nn.Module]) -> dict[str, list[ReferenceOu
 
 
 # -- the HTTP server (tests/test_serve_*.py) ------------------------------------------
-
-SERVE_KEY = "test-key"
-# Room for the load test's 200 concurrent requests; 64 running at once.
-SERVE_ARGS = ["--threads", "1", "--set", "kv_cache.num_blocks=1024", "--set", "scheduler.budget.max_num_seqs=64"]
 
 
 @pytest.fixture(scope="session")

@@ -15,8 +15,8 @@ import itertools
 
 import pytest
 import torch
-from attention_batches import MIXED_STEP, packed_step, torch_threads
-from conftest import CAPS, CLIENTS, PRIORITIES, PROMPTS
+from support import CAPS, CLIENTS, PRIORITIES, PROMPTS
+from support.attention_batches import MIXED_STEP, packed_step, torch_threads
 
 import cbcore.backends.flash_varlen as fv
 from cbcore import Engine, EngineConfig, SamplingParams

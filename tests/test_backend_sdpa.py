@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attention_batches import MIXED_STEP, packed_step, torch_threads
-from conftest import CAPS, PROMPTS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support import CAPS, PROMPTS
+from support.attention_batches import MIXED_STEP, packed_step, torch_threads
 
 import cbcore.backends.sdpa as sdpa_module
 from cbcore import Engine, EngineConfig, SamplingParams

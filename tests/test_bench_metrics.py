@@ -143,7 +143,6 @@ def _step(num_seqs: int, forward: float, other: float, used: int = 10) -> StepSt
         step=1,
         num_seqs=num_seqs,
         num_tokens=num_seqs,
-        num_prefill_tokens=0,
         num_decode_tokens=num_seqs,
         num_preempted=0,
         kv_blocks_used=used,

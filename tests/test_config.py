@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 from pydantic import ValidationError
 
-from cbcore.config import ConfigError, EngineConfig
+from cbcore.cli.common import engine_config
+from cbcore.config import ConfigError, EngineConfig, format_validation_error
+from cbcore.serve.config import ServeConfig, Settings
+from cbcore.sim.profiler import QUICK, profile_config
 
 
 def test_empty_sections_mean_defaults():
@@ -67,3 +72,76 @@ def test_bad_files(tmp_path):
     (tmp_path / "c.ini").write_text("")
     with pytest.raises(ConfigError, match="unknown suffix"):
         EngineConfig.from_file(tmp_path / "c.ini")
+
+
+# -- the applications' sections: one file, loaded whole by Settings ------------------------------
+
+APP_FILE = (
+    "scheduler:\n  queue: priority\nkv_cache: {num_blocks: 64}\n"
+    "serve: {max_waiting: 8, watchdog_s: 5.0}\nrouter: {name: power-of-two, seed: 3}\n"
+)
+SETTINGS_HINT = "which the engine does not read; load the whole file with cbcore.serve.config.Settings"
+
+
+def test_settings_load_the_whole_file_and_are_the_engine_config_of_its_engine_sections(tmp_path):
+    path = tmp_path / "app.yaml"
+    path.write_text(APP_FILE)
+    settings = Settings.from_file(path)
+    assert isinstance(settings, Settings) and isinstance(settings, EngineConfig)
+    assert settings.serve.max_waiting == 8 and settings.serve.watchdog_s == 5.0
+    assert settings.router.name == "power-of-two" and settings.router.params == {"seed": 3}
+    engine_part = EngineConfig.model_validate(settings.model_dump(exclude={"serve", "router"}))
+    assert engine_part.scheduler == settings.scheduler and engine_part.kv_cache == settings.kv_cache
+
+
+@pytest.mark.parametrize(
+    ("data", "overrides", "named"),
+    [
+        ({"serve": {"max_waiting": 8}}, [], ["serve: `cb serve`'s section"]),
+        ({"router": "round-robin"}, [], ["router: the replicas' router"]),
+        ({}, ["serve.max_waiting=8"], ["serve: `cb serve`'s section"]),
+        ({"serve": {}, "router": "round-robin"}, [], ["router: the replicas' router", "serve: `cb serve`'s section"]),
+    ],
+)
+def test_an_engine_config_names_an_application_section_and_the_model_that_reads_it(data, overrides, named):
+    with pytest.raises(ValidationError) as info:
+        EngineConfig.from_dict(data, overrides)
+    message = format_validation_error(info.value)
+    assert message.startswith(named[0]) and all(part in message for part in named), message
+    assert message.endswith(f"{SETTINGS_HINT} (the cb commands do)"), message
+    assert SETTINGS_HINT in str(info.value)  # also without format_validation_error
+
+
+def test_an_engine_config_file_with_a_serve_section_is_refused_not_dropped(tmp_path):
+    path = tmp_path / "app.yaml"
+    path.write_text(APP_FILE)
+    with pytest.raises(ValidationError, match=r"router: the replicas' router.*serve: `cb serve`'s section"):
+        EngineConfig.from_file(path)
+
+
+def test_serve_and_router_errors_name_their_key_with_a_suggestion():
+    def problem(data: dict) -> str:
+        with pytest.raises(ValidationError) as info:
+            Settings.model_validate(data)
+        return format_validation_error(info.value)
+
+    assert problem({"serve": {"max_waitng": 3}}) == (
+        "serve.max_waitng: Extra inputs are not permitted (did you mean 'max_waiting'?)"
+    )
+    assert problem({"servr": {}}).startswith("servr: Extra inputs are not permitted (did you mean 'serve'?)")
+    assert problem({"router": "fcfs"}) == "router: 'fcfs' is a queue plugin, not a router plugin"
+    with pytest.raises(ValidationError) as info:
+        ServeConfig(max_waitng=3)
+    assert format_validation_error(info.value).endswith("(did you mean 'max_waiting'?)")
+
+
+def test_every_cb_command_loads_its_config_file_as_settings(tmp_path):
+    """The commands build their config with ``engine_config``; `cb profile` then widens its budget."""
+    path = tmp_path / "app.yaml"
+    path.write_text(APP_FILE)
+    args = argparse.Namespace(config=str(path), model=None, device=None, dtype=None, overrides=["serve.max_waiting=9"])
+    config = engine_config(args)
+    assert isinstance(config, Settings) and config.serve.max_waiting == 9 and config.router.name == "power-of-two"
+    widened = profile_config(config, QUICK)
+    assert isinstance(widened, Settings) and widened.serve == config.serve and widened.router == config.router
+    assert widened.scheduler.budget.params["max_num_seqs"] == max(QUICK.widths) + 1

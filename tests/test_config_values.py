@@ -20,11 +20,13 @@ from pydantic import ValidationError
 
 from cbcore.cli.main import main
 from cbcore.config import ConfigError, EngineConfig, format_validation_error
+from cbcore.serve.config import Settings
 
 
 def problem(data: dict, overrides: list[str] | None = None) -> str:
+    """The message for a config file's values (Settings: the engine's sections and the serve section)."""
     with pytest.raises(ValidationError) as info:
-        EngineConfig.from_dict(data, overrides)
+        Settings.from_dict(data, overrides)
     return format_validation_error(info.value)
 
 
@@ -33,6 +35,7 @@ def problem(data: dict, overrides: list[str] | None = None) -> str:
     [
         ({"serve": {"shutdown_grace_s": math.inf}}, "serve.shutdown_grace_s: inf"),
         ({"serve": {"header_timeout_s": math.nan}}, "serve.header_timeout_s: nan"),
+        ({"serve": {"watchdog_s": math.inf}}, "serve.watchdog_s: inf"),
         ({"kv_cache": {"max_memory_mb": math.inf}}, "kv_cache.max_memory_mb: inf"),
         ({"scheduler": {"queue": {"name": "priority", "aging_s": -math.inf}}}, "scheduler.queue.aging_s: -inf"),
     ],
@@ -54,6 +57,7 @@ def test_yaml_infinity_from_set_is_refused_and_a_string_is_not_a_number():
         ("serve.shutdown_grace_s", 1e300),
         ("serve.header_timeout_s", 86_401.0),
         ("serve.body_timeout_s", 1e10),
+        ("serve.watchdog_s", 86_401.0),
         ("serve.retry_after_s", 10**20),
         ("serve.tokenizer_threads", 10**6),
         ("kv_cache.max_memory_mb", 1e300),
@@ -66,8 +70,12 @@ def test_values_past_their_bound_are_refused(key, value):
     assert problem({section: {field: value}}).startswith(f"{key}: Input should be less than or equal to")
 
 
+def test_a_watchdog_of_no_time_is_refused():
+    assert problem({"serve": {"watchdog_s": 0}}).startswith("serve.watchdog_s: Input should be greater than 0")
+
+
 def test_values_at_their_bound_still_pass():
-    config = EngineConfig.from_dict({"serve": {"shutdown_grace_s": 86_400, "header_timeout_s": 0.5}})
+    config = Settings.from_dict({"serve": {"shutdown_grace_s": 86_400, "header_timeout_s": 0.5}})
     assert config.serve.shutdown_grace_s == 86_400.0 and config.serve.header_timeout_s == 0.5
 
 
@@ -85,10 +93,10 @@ def test_yaml_aliases_are_refused_naming_the_file_and_line(tmp_path):
     assert time.perf_counter() - t0 < 5  # refused as read, not after an expansion (a generous bound)
     assert str(info.value).startswith(f"config file {path}: line 2: the alias *l0 is not accepted")
     with pytest.raises(ConfigError, match=r"--set 'serve.max_waiting=\[&a 1, \*a\]': line 1: the alias \*a"):
-        EngineConfig.from_dict({}, ["serve.max_waiting=[&a 1, *a]"])
+        Settings.from_dict({}, ["serve.max_waiting=[&a 1, *a]"])
     anchor_only = tmp_path / "anchor.yaml"
     anchor_only.write_text("serve: &s {max_waiting: 8}\n")  # an anchor nothing refers to expands nothing
-    assert EngineConfig.from_file(anchor_only).serve.max_waiting == 8
+    assert Settings.from_file(anchor_only).serve.max_waiting == 8
 
 
 @pytest.mark.parametrize(

@@ -6,10 +6,10 @@ import pytest
 from cbcore_mlfq import MLFQParams, SkipJoinMLFQ
 from cbcore_sjf import ShortestPredictedJobFirst, SJFParams
 from cbcore_vtc import VirtualTokenCounter, VTCParams
-from test_scheduler_behaviour import FakeRun, budget
 
 from cbcore.policies import FCFS, ChunkedPrefill, WholePrompt
 from cbcore.scheduling.policy import QueuePolicy
+from cbcore.testing import FakeRun, budget
 
 # -- VTC -----------------------------------------------------------------------------
 

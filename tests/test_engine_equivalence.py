@@ -7,7 +7,7 @@ slot reuse, preemption under a tiny KV cache, prefill and decode sharing steps.
 from __future__ import annotations
 
 import pytest
-from conftest import CAPS, PROMPTS
+from support import CAPS, PROMPTS
 
 from cbcore import Engine, EngineConfig, SamplingParams
 from cbcore.testing import assert_equivalent, compare_greedy

@@ -25,8 +25,8 @@ from typing import Any
 
 import pytest
 import torch
-from attention_batches import torch_threads
-from conftest import CAPS, CLIENTS, PRIORITIES, PROMPTS
+from support import CAPS, CLIENTS, PRIORITIES, PROMPTS
+from support.attention_batches import torch_threads
 
 from cbcore import Engine, EngineConfig, SamplingParams
 from cbcore.plugins import get_registry

@@ -20,7 +20,7 @@ import platform
 import sys
 
 import pytest
-from script_processes import last_line_of_each
+from support.script_processes import last_line_of_each
 
 SCRIPT = """
 import ctypes, resource, sys

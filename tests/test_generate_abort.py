@@ -7,7 +7,7 @@ output for an aborted request, so ``generate()`` must end it itself.
 
 from __future__ import annotations
 
-from conftest import CAPS, PROMPTS
+from support import CAPS, PROMPTS
 
 from cbcore import Engine, EngineConfig, SamplingParams
 

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import CAPS, PROMPTS
+from support import CAPS, PROMPTS
 
 import cbcore.backends.eager as eager
 from cbcore import Engine, EngineConfig, SamplingParams

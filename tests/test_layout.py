@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import json
 import re
 from pathlib import Path
 
@@ -180,3 +181,37 @@ def test_the_cycle_check_finds_a_cycle() -> None:
 def test_the_top_of_cbcore_has_at_most_eight_modules() -> None:
     top = sorted(p.name for p in PKG.glob("*.py"))
     assert len(top) <= MAX_TOP_LEVEL_MODULES, top
+
+
+# -- small files ------------------------------------------------------------------------------
+
+MAX_LINES = 400
+#: Files over the limit today, each with what brings it under: the entry goes when the file does,
+#: and the test below fails until it does, so the list can only shrink.
+OVER_THE_LIMIT: dict[str, str] = {}  # path -> why it is still longer (none today)
+
+
+def _source_files() -> list[Path]:
+    """Every Python and C source of the package, the plugin folders and the contrib packages (not tests)."""
+    folders = [PKG, ROOT / "policies", ROOT / "backends", *sorted(ROOT.glob("contrib/*/cbcore_*"))]
+    return sorted(p for folder in folders for p in folder.rglob("*") if p.suffix in (".py", ".c", ".h"))
+
+
+def test_no_source_file_is_longer_than_400_lines() -> None:
+    lengths = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in _source_files()}
+    assert len(lengths) > 100 and "cbcore/engine_core.py" in lengths and "contrib/vtc/cbcore_vtc/policy.py" in lengths
+    too_long = {path: n for path, n in lengths.items() if n > MAX_LINES and path not in OVER_THE_LIMIT}
+    assert not too_long, f"split these into files of one concept each: {too_long}"
+    fixed = {path for path in OVER_THE_LIMIT if lengths.get(path, 0) <= MAX_LINES}
+    assert not fixed, f"{sorted(fixed)} no longer over {MAX_LINES} lines (or gone): remove them from OVER_THE_LIMIT"
+
+
+def test_the_results_file_names_what_each_run_measured_where_and_how() -> None:
+    """docs/results/benchmarks.json keeps the run history the docs left: each record a run with its figures."""
+    runs = json.loads((ROOT / "docs" / "results" / "benchmarks.json").read_text())["runs"]
+    assert runs
+    for run in runs:
+        assert run["study"] and run["machine"] and run["command"], run["study"]
+        assert run["rows"] and all(isinstance(row, dict) and row for row in run["rows"]), run["study"]
+    dated = [run for run in runs if run["date"]]
+    assert all(run["commit"] for run in dated)

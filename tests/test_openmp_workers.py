@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 import pytest
-from script_processes import last_line_of_each
+from support.script_processes import last_line_of_each
 
 # Counts the process's threads, not seconds. A region of two threads leaves one pooled worker behind
 # on the thread that ran it; EngineLoop.start must end it (and adds the engine thread, which has made

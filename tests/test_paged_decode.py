@@ -6,7 +6,7 @@ import logging
 
 import pytest
 import torch
-from attention_batches import packed_step
+from support.attention_batches import packed_step
 
 from cbcore.backends.eager import EagerBackend
 from cbcore.backends.sdpa import SdpaBackend

@@ -163,13 +163,11 @@ def test_each_rule_broken_alone_is_named(rule: str) -> None:
 
 
 class _Idle:
-    """Just enough of a scheduler for the progress guard: it has work, and blocks."""
+    """Just enough of a scheduler for the progress guard: blocks (observe is told that work waits)."""
 
     def __init__(self) -> None:
         self.blocks = BlockManager(num_blocks=2, block_size=4)
 
-    def has_unfinished(self) -> bool:
-        return True
 
 
 def test_a_step_that_computes_nothing_while_work_waits_is_a_stall() -> None:

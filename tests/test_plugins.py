@@ -224,8 +224,6 @@ SERIAL_SCHEDULER = """
         def add(self, seq):
             self.queue.append(seq)
 
-        def has_unfinished(self):
-            return bool(self.queue) or self.current is not None
 
         def schedule(self):
             if self.current is None:
@@ -403,10 +401,15 @@ def test_docs_reference_is_generated_from_the_params_models() -> None:
             assert f"| `{field}` |" in embedded
 
 
+def doc_block(first_line: str) -> str:
+    """The python block of docs/policies.md that starts with ``first_line``."""
+    doc = (ROOT / "docs" / "policies.md").read_text()
+    return next(b for b in re.findall(r"```python\n(.*?)```", doc, re.S) if b.startswith(first_line))
+
+
 def test_docs_tutorial_plugin_works(tmp_path: Path, models: dict, references: dict) -> None:
     """The tutorial's plugin file, loaded through `plugins:` and checked for equivalence."""
-    doc = (ROOT / "docs" / "policies.md").read_text()
-    source = next(b for b in re.findall(r"```python\n(.*?)```", doc, re.S) if b.startswith("# my_policy.py"))
+    source = doc_block("# my_policy.py")
     assert 25 <= len(source.splitlines()) <= 40
     path = tmp_path / "my_policy.py"
     path.write_text(source)
@@ -421,7 +424,7 @@ def test_docs_tutorial_plugin_works(tmp_path: Path, models: dict, references: di
             "backend": EAGER,
         }
     )
-    from conftest import CAPS, PROMPTS
+    from support import CAPS, PROMPTS
 
     model = models["llama"]
     engine = Engine(model, None, config)
@@ -431,3 +434,40 @@ def test_docs_tutorial_plugin_works(tmp_path: Path, models: dict, references: di
     )
     assert_equivalent(compare_greedy(model, outputs, [references["llama"][i] for i in idx]))
     assert engine.scheduler.num_preemptions > 0 and engine.scheduler.num_partial_prefills > 0
+
+
+def test_docs_tutorial_model_free_test_passes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Step 4 of the tutorial: its FakeRun test, run against the tutorial's plugin file."""
+    (tmp_path / "my_policy.py").write_text(doc_block("# my_policy.py"))
+    snippet = doc_block("from cbcore.policies import WholePrompt")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    namespace: dict = {}
+    exec(compile(snippet, "policies.md step 4", "exec"), namespace)
+    namespace["test_short_prompts_go_first"]()
+
+
+def test_docs_events_example_keeps_its_state_on_the_policy(tmp_path: Path) -> None:
+    """The events example of docs/policies.md: state keyed by request id, counted in on_step_end, dropped in
+    on_finish; recomputed tokens count, so a preempted request has been served more than its tokens."""
+    from cbcore.testing import FakeRun, budget
+
+    path = tmp_path / "least_attained.py"
+    path.write_text(doc_block("# least_attained.py"))
+    registry = get_registry((str(path),))
+    policy = registry.create("queue", "least-attained", {}, "scheduler.queue")
+    served_at_finish: dict[str, int] = {}
+    on_finish = policy.on_finish
+
+    def record(seq, now):  # what the policy had counted when the request ended
+        served_at_finish[seq.request_id] = policy.served[seq.request_id]
+        on_finish(seq, now)
+
+    policy.on_finish = record
+    run = FakeRun(policy, budget(max_seqs=4, max_tokens=64), num_blocks=12)
+    for i, prompt_len in enumerate([20, 16, 12, 8]):
+        run.add(f"r{i}", prompt_len, 12)
+    run.run()
+    assert run.sched.num_preemptions > 0 and policy.served == {}
+    for rid, seq in run.seqs.items():
+        own = seq.num_prompt_tokens + seq.num_output_tokens - 1  # the last token is never fed back
+        assert served_at_finish[rid] >= own and (served_at_finish[rid] > own) == (seq.num_preemptions > 0), rid

@@ -6,7 +6,6 @@ from types import SimpleNamespace
 
 import pytest
 from pydantic import ValidationError
-from test_scheduler_behaviour import FakeRun, budget
 
 from cbcore.policies import (
     BUILTIN_POLICIES,
@@ -26,6 +25,7 @@ from cbcore.policies.static import StaticParams
 from cbcore.scheduling.policy import BudgetPolicy, PreemptionPolicy, QueuePolicy, SchedulerState, StepLimits
 from cbcore.scheduling.scheduler import SchedulerStall
 from cbcore.scheduling.sequence import FinishReason, SequenceStatus
+from cbcore.testing import FakeRun, budget
 
 
 def view(

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from conftest import CAPS, CLIENTS, PRIORITIES, PROMPTS
+from support import CAPS, CLIENTS, PRIORITIES, PROMPTS
 
 from cbcore.config import SLOTS, EngineConfig
 from cbcore.engine import Engine, StepRecord

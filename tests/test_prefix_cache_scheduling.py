@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cbcore import Engine, EngineConfig, SamplingParams
+from cbcore import Engine, EngineConfig, SamplingParams, engine_load
 from cbcore.engine import RequestError
 from cbcore.testing import random_prompts
 from cbcore.testing.block_invariants import check_blocks
@@ -46,7 +46,7 @@ def test_a_hit_skips_the_cached_prefill_and_the_budget_counts_only_computed_toke
     assert steps[-1] == {"hit": 3}, "40 cached tokens are skipped; the 3 new ones fit the budget of 16"
     stats = engine.step_stats[-1]
     assert (stats.prefix_cache_queries_tokens, stats.prefix_cache_hits_tokens) == (43, 40)
-    load = engine.load()
+    load = engine_load(engine)
     assert (load.prefix_cache_queries_tokens, load.prefix_cache_hits_tokens) == (41 + 43, 40)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from attention_batches import packed_step, torch_threads
+from support.attention_batches import packed_step, torch_threads
 
 from cbcore.backends.sdpa import SdpaBackend
 from cbcore.kernels.prompt_attention import Prompts, prompt_attention

@@ -8,8 +8,8 @@ a user's plugin file would be; each can be switched to behave again
 from __future__ import annotations
 
 import pytest
-from conftest import CAPS, PROMPTS
 from pydantic import ValidationError
+from support import CAPS, PROMPTS
 
 from cbcore import (
     Engine,
@@ -211,8 +211,6 @@ class Lazy(SchedulerPlugin):
     def abort(self, request_id):
         return self.seqs.pop(request_id, None)
 
-    def has_unfinished(self):
-        return bool(self.seqs)
 
 
 class Twice(Lazy):

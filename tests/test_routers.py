@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from cbcore import ReplicaView, Router, RouteRequest, RouterError
-from cbcore.config import EngineConfig
 from cbcore.plugins import PluginError, get_registry
 from cbcore.scale.router import checked_choice
+from cbcore.serve.config import Settings
 
 
 @dataclass(frozen=True)
@@ -39,16 +39,16 @@ def req(i: int, tokens: tuple[int, ...] = ()) -> RouteRequest:
 def test_builtin_routers_are_registered_as_kind_router() -> None:
     builtin = sorted(e.name for e in get_registry().entries("router") if e.origin == "built-in")
     assert builtin == ["least-loaded", "power-of-two", "prefix-affinity", "round-robin"]
-    assert EngineConfig().router.name == "least-loaded"
+    assert Settings().router.name == "least-loaded"
 
 
 def test_config_names_the_router_and_checks_its_params() -> None:
-    cfg = EngineConfig.from_dict({"router": {"name": "power-of-two", "seed": 3}})
+    cfg = Settings.from_dict({"router": {"name": "power-of-two", "seed": 3}})
     assert cfg.router.params == {"seed": 3}
     with pytest.raises(ValueError, match=r"router\.by"):
-        EngineConfig.from_dict({"router": {"name": "least-loaded", "by": "vibes"}})
+        Settings.from_dict({"router": {"name": "least-loaded", "by": "vibes"}})
     with pytest.raises(ValueError, match="'fcfs' is a queue plugin, not a router plugin"):
-        EngineConfig.from_dict({"router": "fcfs"})
+        Settings.from_dict({"router": "fcfs"})
 
 
 def test_round_robin_takes_turns_and_survives_a_replica_leaving() -> None:
@@ -156,7 +156,7 @@ def test_a_router_from_a_plugin_file_is_named_in_the_config(tmp_path: Path) -> N
             """
         )
     )
-    cfg = EngineConfig.from_dict({"plugins": [str(path)], "router": "last"})
+    cfg = Settings.from_dict({"plugins": [str(path)], "router": "last"})
     router = get_registry(tuple(cfg.plugins)).create("router", "last", {}, "router")
     assert checked_choice(router, req(0), views(0, 0, 0)) == "r2"
     with pytest.raises(PluginError, match=r"does not subclass cbcore\.Router"):

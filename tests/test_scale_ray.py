@@ -25,6 +25,7 @@ from cbcore.config import EngineConfig
 from cbcore.engine import Engine
 from cbcore.scale.app import APP_NAME, ScaleOptions, free_port, start
 from cbcore.scheduling.sampling_params import SamplingParams
+from cbcore.serve.config import Settings
 from cbcore.testing import random_prompts
 
 pytestmark = pytest.mark.ray
@@ -47,7 +48,7 @@ def port() -> int:
 
 def deploy(model_dir: Path, port: int, router: object, overrides: tuple[str, ...] = (), **options: object) -> str:
     data = {"model": {"path": str(model_dir)}, "router": router, "kv_cache": KV}
-    cfg = EngineConfig.from_dict(data, list(overrides))
+    cfg = Settings.from_dict(data, list(overrides))
     opts = ScaleOptions(**{**OPTIONS.__dict__, **options})
     url = start(cfg, opts, MODEL, host=HOST, port=port)
     assert url == f"http://{HOST}:{port}"
@@ -277,7 +278,7 @@ def test_routers_on_ray_see_the_request_fields_and_replica_tokens(
     plugin.write_text(VIEW_ROUTER)
     data = {"model": {"path": str(cb_tiny_model_dir)}, "kv_cache": KV, "plugins": [str(plugin)],
             "router": {"name": "views", "path": str(seen)}}  # fmt: skip
-    url = start(EngineConfig.from_dict(data), OPTIONS, MODEL, host=HOST, port=port)
+    url = start(Settings.from_dict(data), OPTIONS, MODEL, host=HOST, port=port)
     c = client(url)
     body = {"ignore_eos": True, "priority": 1, "deadline_s": 2.5, "attrs": {"tier": "gold"}}
     for i in range(6):

@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import PROMPTS
+from support import PROMPTS
 
 from cbcore import Engine, EngineConfig, SamplingParams
 from cbcore.policies import ChunkedPrefill

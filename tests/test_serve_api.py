@@ -12,7 +12,7 @@ import itertools
 import httpx
 import openai
 import pytest
-from conftest import SERVE_KEY
+from support import SERVE_KEY
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cbcore import Engine, EngineConfig, SamplingParams

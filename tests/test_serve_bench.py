@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import SERVE_KEY
+from support import SERVE_KEY
 
 from cbcore.cli.main import main
 

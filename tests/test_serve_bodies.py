@@ -14,7 +14,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from conftest import SERVE_KEY
+from support import SERVE_KEY
 from test_request_attrs import nested
 
 from cbcore.serve.nesting import MAX_JSON_DEPTH

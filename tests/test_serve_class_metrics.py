@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 
 import httpx
-from conftest import SERVE_KEY
+from support import SERVE_KEY
 
 from cbcore.outputs import RequestMetrics, RequestOutput
 from cbcore.serve.metrics import MAX_CLIENT_LABELS, OTHER, BoundedLabel, ServerMetrics

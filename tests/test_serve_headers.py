@@ -23,8 +23,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import uvicorn
-from conftest import SERVE_KEY
-from serve_client import HealthProbe, PacedStream, closed_by_server, connect, read_response
+from support import SERVE_KEY
+from support.serve_client import HealthProbe, PacedStream, closed_by_server, connect, read_response
 
 from cbcore.serve.connection import protocol_with_header_limits
 

@@ -22,8 +22,8 @@ import time
 import httpx
 import psutil
 import pytest
-from conftest import SERVE_KEY
-from serve_client import HealthProbe, PacedStream, closed_by_server, connect, head, read_response
+from support import SERVE_KEY
+from support.serve_client import HealthProbe, PacedStream, closed_by_server, connect, head, read_response
 
 from cbcore.serve.launch import ServerProcess
 

@@ -16,8 +16,8 @@ import pytest
 from starlette.testclient import TestClient
 
 from cbcore import Engine, EngineConfig
-from cbcore.config import ServeConfig
 from cbcore.serve.app import build_app
+from cbcore.serve.config import ServeConfig
 from cbcore.serve.protocol import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from cbcore.testing.tiny_tokenizer import tiny_tokenizer
 

@@ -24,8 +24,8 @@ import time
 
 import openai
 import pytest
-from conftest import SERVE_KEY
-from serve_client import connect, head, long_context_model_dir
+from support import SERVE_KEY
+from support.serve_client import connect, head, long_context_model_dir
 
 from cbcore.cli.main import main
 from cbcore.serve.launch import ServerProcess

@@ -18,8 +18,8 @@ import time
 import httpx
 import openai
 import pytest
-from conftest import SERVE_KEY
-from serve_client import long_context_model_dir
+from support import SERVE_KEY
+from support.serve_client import long_context_model_dir
 from test_serve_load import metric
 from transformers import AutoModelForCausalLM, AutoTokenizer
 

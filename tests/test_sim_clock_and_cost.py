@@ -8,9 +8,9 @@ import pytest
 
 import cbcore.sim.suite as sim_suite
 from cbcore.bench.generator import generate
-from cbcore.config import EngineConfig
 from cbcore.scheduling.plan import RowPlan, StepPlan
 from cbcore.scheduling.sampling_params import SamplingParams
+from cbcore.serve.config import Settings
 from cbcore.sim.executor import VirtualClock
 from cbcore.sim.fitted import FitError, FittedCost
 from cbcore.sim.model_shape import ModelShape
@@ -53,7 +53,7 @@ def test_the_virtual_clock_never_goes_back_over_a_whole_simulated_run(monkeypatc
     profile = load_profile("h200-llama-3-8b")
     workload = generate("poisson:n=200,rate=100,input_len=128,output_len=2,seed=2", profile.model.vocab_size)
     ids = [list(r.prompt_token_ids) for r in workload.requests]
-    config = EngineConfig.from_dict({}, ["scheduler.budget.max_num_seqs=8"])
+    config = Settings.from_dict({}, ["scheduler.budget.max_num_seqs=8"])  # Settings: the replicas' router
     result = sim_suite.simulate_suite(profile, workload, ids, [("fcfs", config)], replicas=replicas)
     assert len(RecordingClock.clocks) == replicas
     for clock in RecordingClock.clocks:

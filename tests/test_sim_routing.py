@@ -5,14 +5,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from cbcore import Router
 from cbcore.bench.driver import VirtualClock, drive
 from cbcore.bench.generator import generate
 from cbcore.cli.main import main
 from cbcore.config import EngineConfig
+from cbcore.serve.config import Settings
 from cbcore.sim.executor import sim_engine
 from cbcore.sim.profile import load_profile
 from cbcore.sim.routing import RouterPlacement, replica_ids
+from cbcore.sim.suite import simulate_suite
 
 WORKLOAD = "poisson:n=120,rate=40,lengths=sharegpt,seed=2"
 
@@ -130,3 +134,16 @@ def test_routers_see_what_policies_see_and_each_replicas_tokens() -> None:
         assert router.predicted_output_len(got) == req.max_new_tokens
     assert any(load.num_waiting_tokens > 0 for load in router.loads)  # queued prompts, priced in tokens
     assert any(load.num_running_tokens > 0 and load.recent_step_s > 0 for load in router.loads)
+
+
+def test_simulated_replicas_need_configs_that_hold_a_router() -> None:
+    """An EngineConfig has no router: replicas over it are refused by row, before any row runs."""
+    profile = load_profile("h200-llama-3-8b")
+    workload = generate("poisson:n=4,rate=10,lengths=fixed,input_len=16,output_len=4", profile.model.vocab_size)
+    ids = [r.token_ids(None) for r in workload.requests]
+    rows = [("plain", EngineConfig()), ("whole", Settings.from_dict({"router": "round-robin"}))]
+    with pytest.raises(TypeError, match=r"replicas=2: rows \['plain'\] have no router"):
+        simulate_suite(profile, workload, ids, rows, replicas=2)
+    result = simulate_suite(profile, workload, ids, rows[1:], replicas=2)
+    assert result.rows[0]["router"] == {"name": "round-robin"} and result.rows[0]["completed"] == 4
+    assert simulate_suite(profile, workload, ids, rows[:1]).rows[0]["completed"] == 4  # one engine: no router

@@ -349,16 +349,15 @@ def test_cb_simulate_refuses_a_bad_profile_in_one_line(tmp_path: Path, capsys) -
     assert err.startswith("cb: error: profile") and "identity" in err and "\n" not in err
 
 
-BROKEN_QUEUE = """
+BROKEN_BUDGET = """
     from cbcore import hookimpl
-    from cbcore.policies import FCFS
+    from cbcore.policies import TokenBudget
 
 
-    class Broken(FCFS):
+    class Broken(TokenBudget):
         name = "broken"
-        fixed_keys = False
 
-        def key(self, seq, now):
+        def limits(self, state):  # about no single request: the engine stops, the row fails
             raise RuntimeError("broken on purpose")
 
 
@@ -370,8 +369,8 @@ BROKEN_QUEUE = """
 
 def test_a_failing_row_is_reported_the_others_run_and_cb_simulate_exits_1(tmp_path: Path, capsys) -> None:
     config = tmp_path / "broken.json"
-    config.write_text(json.dumps({"plugins": [write(tmp_path, "broken.py", BROKEN_QUEUE)],
-                                  "scheduler": {"queue": {"name": "broken"}}}))  # fmt: skip
+    config.write_text(json.dumps({"plugins": [write(tmp_path, "broken.py", BROKEN_BUDGET)],
+                                  "scheduler": {"budget": {"name": "broken"}}}))  # fmt: skip
     out = tmp_path / "rows.json"
     argv = ["simulate", "--profile", "h200-llama-3-8b", "--workload", "poisson:n=5,seed=0", "--no-progress"]
     (tmp_path / "plain.json").write_text("{}")
@@ -379,7 +378,7 @@ def test_a_failing_row_is_reported_the_others_run_and_cb_simulate_exits_1(tmp_pa
     broken, plain = json.loads(out.read_text())["rows"]
     assert broken["kind"] == "simulated" and "broken on purpose" in broken["error"]
     assert plain["completed"] == 5 and "error" not in plain
-    assert re.search(r"broken: FAILED: SchedulerError: .* RuntimeError: broken on purpose", capsys.readouterr().out)
+    assert re.search(r"broken: FAILED: PolicyError: .* RuntimeError: broken on purpose", capsys.readouterr().out)
 
 
 def test_a_profile_from_before_packed_linears_loads_without_a_linear_kind():

@@ -7,7 +7,7 @@ raising; or a policy raising about one request after the planner already
 preempted, grew and admitted, where the engine ends that request and plans
 the step again, and the state must equal a twin engine's in which that
 request was aborted before the step. States are compared through public
-state only (:func:`engine_state.engine_state`); then every request runs to
+state only (:func:`support.engine_state.engine_state`); then every request runs to
 its end, token for token against its prompt run alone. The failing plugins
 below are loaded by path, as a user's plugin file would be.
 """
@@ -18,8 +18,8 @@ import copy
 from typing import Any, ClassVar
 
 import pytest
-from conftest import PROMPTS
-from engine_state import assert_same_state, cached_tokens, engine_state
+from support import PROMPTS
+from support.engine_state import assert_same_state, cached_tokens, engine_state
 
 from cbcore import Engine, EngineConfig, SamplingParams, SchedulerError
 from cbcore.plugins import load_class

@@ -102,8 +102,6 @@ class _ShapeRecorder:
         self.pending = StepShape.of(plan)
         return self.inner.prepare(plan)
 
-    def batch_of(self, prepared: Any) -> Any:
-        return self.inner.batch_of(prepared)
 
     def forward(self, prepared: Any) -> Any:
         return self.inner.forward(prepared)

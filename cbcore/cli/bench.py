@@ -180,7 +180,7 @@ def parse_sweep(args: argparse.Namespace) -> Any:
 
 
 def build_configs(args: argparse.Namespace) -> list[tuple[str, Any]]:
-    """One (row name, EngineConfig) per combination of --config, --policy and --backend."""
+    """One (row name, Settings) per combination of --config, --policy and --backend."""
     from cbcore.cli.common import config_data, engine_config, scheduler_from_mix
 
     rows = []

@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from cbcore.config import EngineConfig, read_config_file
+from cbcore.serve.config import Settings
 
 
 def config_data(args: argparse.Namespace) -> dict[str, Any]:
@@ -23,12 +24,13 @@ def config_data(args: argparse.Namespace) -> dict[str, Any]:
     return data
 
 
-def engine_config(args: argparse.Namespace, extra: dict[str, Any] | None = None) -> EngineConfig:
-    """Config file, then ``extra`` (a subcommand's own flags), then ``--set`` overrides."""
+def engine_config(args: argparse.Namespace, extra: dict[str, Any] | None = None) -> Settings:
+    """Config file, then ``extra`` (a subcommand's own flags), then ``--set`` overrides: the whole file,
+    the ``serve:`` and ``router:`` sections included, whichever command reads them."""
     data = config_data(args)
     for key, value in (extra or {}).items():
         data[key] = {**(data.get(key) or {}), **value} if isinstance(value, dict) else value
-    return EngineConfig.from_dict(data, args.overrides)
+    return Settings.from_dict(data, args.overrides)
 
 
 def load_engine(config: EngineConfig) -> Any:

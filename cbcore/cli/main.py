@@ -11,7 +11,10 @@ import argparse
 import importlib
 import logging
 import os
+import signal
 import sys
+import threading
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -83,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     configure_logging(args.log_level, args.log_json)
-    opt_in_process_settings()
+    previous = opt_in_process_settings()
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
@@ -94,23 +97,35 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"cb: error: {one_line(exc)}", file=sys.stderr)
         return 2
+    finally:
+        if previous is not None:  # a caller that runs main() in its own process keeps its own handler
+            signal.signal(signal.SIGINT, previous)
 
 
-def opt_in_process_settings() -> None:
+def opt_in_process_settings() -> Any:
     """What the ``cb`` application sets for its whole process, which a library must not do for its host.
 
     glibc's allocator keeps the memory a step frees for the next step (no page
     faults per step: :func:`cbcore.kernels.native.hold_freed_memory`), and a
     Ctrl-C is told apart from a policy raising KeyboardInterrupt
-    (:func:`cbcore.scheduling.door.mark_interrupts`).
+    (:data:`cbcore.scheduling.door.SIGNALLED`).
     """
     from cbcore.kernels.native import hold_freed_memory
     from cbcore.log import get_logger
-    from cbcore.scheduling.door import mark_interrupts
+    from cbcore.scheduling.door import SIGNALLED
 
     why = hold_freed_memory()
     get_logger(__name__).info("freed memory", kept="yes" if why is None else "no", why=why)
-    mark_interrupts()
+
+    def on_ctrl_c(signum: int, frame: object) -> None:
+        SIGNALLED.set()
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is not threading.main_thread():
+        return None  # only the main thread handles signals
+    previous = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, on_ctrl_c)
+    return previous  # the handler it replaced
 
 
 def one_line(exc: BaseException) -> str:

@@ -8,6 +8,7 @@ from typing import Any
 
 from cbcore.cli.common import config_data, engine_config, scheduler_from_mix
 from cbcore.config import EngineConfig
+from cbcore.serve.config import Settings
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
@@ -20,7 +21,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--backend", metavar="NAME", help="attention backend: eager, sdpa, flash-varlen, ...")
 
 
-def build_config(args: argparse.Namespace, extra: dict[str, Any] | None = None) -> EngineConfig:
+def build_config(args: argparse.Namespace, extra: dict[str, Any] | None = None) -> Settings:
     """The config file, then ``extra``, then ``--policy``/``--backend``, then ``--set``."""
     extra = dict(extra or {})
     if getattr(args, "policy", None):

@@ -149,8 +149,9 @@ def _measured_names() -> str:
 def with_routers(configs: list[tuple[str, Any]], routers: list[str]) -> list[tuple[str, Any]]:
     """Each row once per router, named ``row router``."""
     from cbcore.cli.main import one_line
-    from cbcore.config import ConfigError, EngineConfig
+    from cbcore.config import ConfigError
     from cbcore.plugins import PluginError, did_you_mean, get_registry
+    from cbcore.serve.config import Settings
 
     rows = []
     for name, config in configs:
@@ -164,7 +165,7 @@ def with_routers(configs: list[tuple[str, Any]], routers: list[str]) -> list[tup
             if router not in known:
                 raise CLIError(f"--router {router}: unknown router{did_you_mean(router, known)}; known: {', '.join(known)}")
             try:
-                cfg = EngineConfig.model_validate({**config.model_dump(exclude_unset=True), "router": {"name": router}})
+                cfg = Settings.model_validate({**config.model_dump(exclude_unset=True), "router": {"name": router}})
             except (ValueError, ConfigError, PluginError) as exc:
                 raise CLIError(f"--router {router}: {one_line(exc)}") from None
             rows.append((f"{name} {router}" if len(configs) > 1 else router, cfg))

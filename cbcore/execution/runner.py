@@ -89,15 +89,13 @@ class ModelRunner:
 
     def prepare(self, plan: StepPlan) -> FlatBatch:
         """The step's swap copies first (before anything overwrites the freed blocks), then its packed batch."""
-        self.kv_cache.copy_out(plan.swap_out)
-        self.kv_cache.copy_in(plan.swap_in)
+        if plan.swap_out or plan.swap_in:
+            self.kv_cache.copy_out(plan.swap_out)
+            self.kv_cache.copy_in(plan.swap_in)
         chunks = [(row.token_ids, row.start, row.block_table) for row in plan.rows]
         sample = [row.params is not None for row in plan.rows]
         batch = build_flat_batch(chunks, sample, self.kv_cache.block_size, self.device)
         batch.sampling = [plan.rows[i] for i in batch.sample_rows]
-        return batch
-
-    def batch_of(self, batch: FlatBatch) -> FlatBatch:
         return batch
 
     @torch.inference_mode()

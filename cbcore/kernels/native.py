@@ -15,6 +15,7 @@ a second instead of a minute. Where no compiler is found or the build fails,
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -123,7 +124,9 @@ class NativeKernel:
         log.debug("native kernel", symbol=self.symbol, origin=origin)
         return fn, origin
 
-    def function(self) -> ctypes._CFuncPtr:
+    @functools.cached_property
+    def fn(self) -> ctypes._CFuncPtr:
+        """The loaded function, resolved once (a later call costs one attribute read), else KernelUnavailable."""
         fn, text = self.load()
         if fn is None:
             raise KernelUnavailable(text)

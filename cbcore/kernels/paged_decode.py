@@ -65,7 +65,7 @@ def paged_decode(
 
     ``query`` is ``[rows, heads, head_dim]`` float32, each pool ``[slots, kv_heads, head_dim]``.
     """
-    fn = KERNEL.function()
+    fn = KERNEL.fn
     rows, heads, head_dim = query.shape
     kv_heads = k_pool.shape[1]
     _check("query", query, torch.float32)

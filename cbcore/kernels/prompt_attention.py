@@ -63,7 +63,7 @@ def prompt_attention(
     if prompts.rows != rows:
         raise ValueError(f"prompt_attention: prompts placed among {prompts.rows} rows, the step has {rows}")
     n = prompts.lens.numel()
-    failed = KERNEL.function()(
+    failed = KERNEL.fn(
         query.data_ptr(), *query.stride()[:2], key.data_ptr(), *key.stride()[:2], value.data_ptr(),
         *value.stride()[:2], out.data_ptr(), prompts.starts.data_ptr(), prompts.lens.data_ptr(), n,
         heads, kv_heads, dim, scale, torch.get_num_threads(),

@@ -71,7 +71,7 @@ class NativeOps:
         out = torch.empty_like(h)
         delta = None if delta is None else delta.contiguous()
         rows, width = h.shape
-        ADD_RMS_NORM.function()(
+        ADD_RMS_NORM.fn(
             h.data_ptr(), None if delta is None else delta.data_ptr(), norm.weight.data_ptr(), out.data_ptr(),
             rows, width, norm.variance_epsilon, torch.get_num_threads(),
         )  # fmt: skip
@@ -87,7 +87,7 @@ class NativeOps:
             )
         cos, sin = cos.contiguous(), sin.contiguous()
         threads = torch.get_num_threads()
-        ROTARY.function()(
+        ROTARY.fn(
             qk.data_ptr(), qk.stride(0), cos.data_ptr(), sin.data_ptr(), rows, heads, dim, threads
         )
         return qk
@@ -97,7 +97,7 @@ class NativeOps:
         gate_up = gate_up.contiguous()
         rows, width = gate_up.shape
         out = gate_up.new_empty(rows, width // 2)
-        SILU_MUL.function()(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
+        SILU_MUL.fn(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
         return out
 
 

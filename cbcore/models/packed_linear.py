@@ -141,7 +141,7 @@ def small_gemm_refusal(weight: torch.Tensor) -> str | None:
 def _small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     (m, k), n = x.shape, weight.shape[0]
     out = x.new_empty(m, n)
-    SMALL_GEMM.function()(
+    SMALL_GEMM.fn(
         x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(), m, n, k,
         torch.get_num_threads(),
     )  # fmt: skip

@@ -18,8 +18,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from cbcore.config import EngineConfig
 from cbcore.log import get_logger
+from cbcore.serve.config import Settings
 
 log = get_logger(__name__)
 APP_NAME = "cbcore"
@@ -27,13 +27,13 @@ APP_NAME = "cbcore"
 
 @dataclass(frozen=True)
 class ScaleOptions:
-    """How the replicas are laid out; everything about one engine stays in the EngineConfig."""
+    """How the replicas are laid out; everything about one engine stays in the config (``Settings``)."""
 
     replicas: int = 2
     num_cpus_per_replica: float = 1.0
     num_cpus_ingress: float = 0.0  # the ingress mostly waits on replicas; give it a share on a busy node
     threads: int | None = None  # torch threads per replica (None: torch's default)
-    load_interval_s: float = 0.5  # how often each replica's Engine.load() reaches the router
+    load_interval_s: float = 0.5  # how often each replica's engine_load() reaches the router
     max_ongoing_requests: int = 1024  # per replica; the engine's own queue (serve.max_waiting) is the limit
     health_check_period_s: float = 2.0
     health_check_timeout_s: float = 30.0
@@ -53,7 +53,7 @@ class ScaleOptions:
 
 
 def build_application(
-    config: EngineConfig, options: ScaleOptions, model_name: str, api_key: str | None = None
+    config: Settings, options: ScaleOptions, model_name: str, api_key: str | None = None
 ) -> Any:
     """The bound application (deploy it with ``serve.run``)."""
     from ray import serve
@@ -96,7 +96,7 @@ def build_application(
 
 
 def start(
-    config: EngineConfig,
+    config: Settings,
     options: ScaleOptions,
     model_name: str,
     *,
@@ -128,7 +128,7 @@ def app_name(options: ScaleOptions) -> str:
 
 
 def run(
-    config: EngineConfig,
+    config: Settings,
     options: ScaleOptions,
     model_name: str,
     *,

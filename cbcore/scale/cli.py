@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from cbcore.config import EngineConfig
+from cbcore.serve.config import Settings
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
@@ -42,7 +42,7 @@ def wants_replicas(args: argparse.Namespace) -> bool:
     return any(getattr(args, name, None) is not None for name in ("replicas", "ray_address", "route_prefix"))
 
 
-def run(args: argparse.Namespace, config: EngineConfig, model_name: str, api_key: str | None) -> int:
+def run(args: argparse.Namespace, config: Settings, model_name: str, api_key: str | None) -> int:
     from cbcore.cli.main import CLIError
     from cbcore.scale.listeners import exposure
 

@@ -24,9 +24,10 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 
 from cbcore.log import get_logger
-from cbcore.outputs import EngineLoad, RequestOutput
+from cbcore.outputs import RequestOutput
 from cbcore.scale.replica import Batch
-from cbcore.serve.engine_loop import Accepted, Failed, Handle, Observer, Submission
+from cbcore.scale.router import EngineLoad
+from cbcore.serve.channel import Accepted, Failed, Handle, Observer, Submission
 from cbcore.serve.errors import ApiError
 
 log = get_logger(__name__)
@@ -71,6 +72,10 @@ class RemoteLoop:
     @property
     def alive(self) -> bool:
         return True  # replicas are watched by Ray Serve; the ingress serves while it runs
+
+    @property
+    def trouble(self) -> str | None:
+        return None  # a replica in trouble fails its health check, and Ray Serve replaces it
 
     @property
     def load(self) -> EngineLoad:
@@ -205,13 +210,13 @@ class Ingress:
         max_attempts: int = 3,
         route_timeout_s: float = 60.0,
     ) -> None:
-        from cbcore.config import EngineConfig
         from cbcore.scale.listeners import bind_replica_grpc_to_node_ip
         from cbcore.serve.app import ServerState
+        from cbcore.serve.config import Settings
         from cbcore.serve.metrics import ServerMetrics, policy_label
 
         bind_replica_grpc_to_node_ip()  # before Serve starts this replica's gRPC server on [::]
-        cfg = EngineConfig.model_validate(config)
+        cfg = Settings.model_validate(config)
         # Limits and tokenizer come from a replica, so the ingress loads no model of its own.
         limits = await replicas.limits.remote()
         tokenizer = await replicas.get_tokenizer.remote()

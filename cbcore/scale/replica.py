@@ -17,10 +17,12 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from cbcore.config import EngineConfig
 from cbcore.log import get_logger
-from cbcore.outputs import EngineLoad, RequestOutput
-from cbcore.serve.engine_loop import EngineLoop, Event, Failed, Submission
+from cbcore.outputs import RequestOutput
+from cbcore.scale.router import EngineLoad
+from cbcore.serve.channel import Event, Failed, Submission
+from cbcore.serve.config import Settings
+from cbcore.serve.engine_loop import EngineLoop
 
 log = get_logger(__name__)
 
@@ -55,10 +57,10 @@ class EngineReplica:
             import torch
 
             torch.set_num_threads(threads)
-        self.config = EngineConfig.model_validate(config)
+        self.config = Settings.model_validate(config)
         model, self.tokenizer = load_model_and_tokenizer(self.config.model.path, self.config.model)
         self.engine = Engine(model, None, self.config)  # token ids in and out: the ingress decodes
-        self.loop = EngineLoop(self.engine)
+        self.loop = EngineLoop(self.engine, watchdog_s=self.config.serve.watchdog_s)
         self.loop.start(asyncio.get_running_loop())  # the loop generate() runs on
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         log.info("replica ready", replica=self.replica_id)
@@ -92,8 +94,8 @@ class EngineReplica:
         return {"load": dataclasses.asdict(self.loop.load), "time": time.time()}
 
     def check_health(self) -> None:
-        if not self.loop.alive:
-            raise RuntimeError(f"replica {self.replica_id}: the engine thread has stopped")
+        if (trouble := self.loop.trouble) is not None:  # stopped after a failure, stalled, or no engine thread
+            raise RuntimeError(f"replica {self.replica_id}: {trouble}")
 
     def __del__(self) -> None:
         loop = getattr(self, "loop", None)

@@ -8,7 +8,7 @@ registered through ``cbcore_register_policies`` and named in the config
 application (:mod:`cbcore.scale`) and in simulation with N replicas.
 
 A router sees, per replica, a :class:`ReplicaView`: the replica's own load
-snapshot (``Engine.load()``: waiting, running, KV blocks), refreshed every
+snapshot (:func:`engine_load`: waiting, running, KV blocks), refreshed every
 ``load_interval_s`` and therefore possibly stale, and the router's exact
 count of requests it has sent there that have not finished; the load holds
 waiting and running token counts, KV use and the recent step time. It sees
@@ -22,6 +22,7 @@ plugin, never a request sent nowhere.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -31,10 +32,11 @@ from pydantic import BaseModel
 
 from cbcore.plugins import NoParams
 from cbcore.scheduling.request import EMPTY_ATTRS
+from cbcore.scheduling.sequence import SequenceStatus
 
 
 class LoadView(Protocol):
-    """The part of an engine's load snapshot routers read (``cbcore.outputs.EngineLoad`` fits it)."""
+    """The part of an engine's load snapshot routers read (:class:`EngineLoad` fits it)."""
 
     num_waiting: int
     num_running: int
@@ -43,6 +45,62 @@ class LoadView(Protocol):
     kv_blocks_used: int
     kv_blocks_total: int
     recent_step_s: float  # mean duration of the replica's last steps
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """How busy an engine is right now: what routers, ``/metrics`` and benchmarks read.
+
+    A snapshot taken between steps, so it is consistent with itself; counted
+    from the engine's own requests, so it holds for any scheduler.
+    """
+
+    num_waiting: int
+    num_running: int
+    num_swapped: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    num_preemptions_total: int
+    prefix_cache_queries_tokens: int = 0
+    prefix_cache_hits_tokens: int = 0
+    num_waiting_tokens: int = 0  # prompt (and recompute) tokens the waiting requests still have to prefill
+    num_running_tokens: int = 0  # tokens the running requests hold in the KV cache or are computing
+    recent_step_s: float = 0.0  # mean duration of the last steps (0.0 before the first)
+
+    @property
+    def kv_usage(self) -> float:
+        """Share of the device KV pool in use (0.0 to 1.0)."""
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
+def engine_load(engine: Any) -> EngineLoad:
+    """``engine``'s load now (an :class:`~cbcore.engine_core.EngineCore`; read it between steps)."""
+    blocks, live = engine.scheduler.blocks, engine.requests
+    # The server reads this after every step: one plain pass, no properties, per request.
+    waiting, running = SequenceStatus.WAITING, SequenceStatus.RUNNING
+    num_waiting = num_running = waiting_tokens = running_tokens = 0
+    for seq in live.values():
+        status = seq.status
+        if status is waiting:
+            num_waiting += 1
+            waiting_tokens += len(seq.token_ids) - seq.num_computed_tokens
+        elif status is running:
+            num_running += 1
+            running_tokens += len(seq.token_ids)
+    recent = list(itertools.islice(reversed(engine.step_stats), 16))
+    return EngineLoad(
+        num_waiting=num_waiting,
+        num_running=num_running,
+        num_swapped=len(live) - num_waiting - num_running,
+        kv_blocks_used=blocks.num_used_blocks,
+        kv_blocks_total=blocks.num_blocks,
+        num_preemptions_total=engine.step_totals.preemptions,  # counted by the engine: holds for any Scheduler
+        prefix_cache_queries_tokens=blocks.prefix_cache_queries_tokens,
+        prefix_cache_hits_tokens=blocks.prefix_cache_hits_tokens,
+        num_waiting_tokens=waiting_tokens,
+        num_running_tokens=running_tokens,
+        recent_step_s=sum(s.total_s for s in recent) / len(recent) if recent else 0.0,
+    )
 
 
 @dataclass(frozen=True)

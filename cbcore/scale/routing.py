@@ -2,7 +2,7 @@
 
 Ray Serve asks a ``RequestRouter`` for ranked replicas for each request; this
 one builds a :class:`~cbcore.scale.router.ReplicaView` per replica (its
-``Engine.load()`` from the replica's ``record_routing_stats``, which Ray Serve
+``engine_load`` from the replica's ``record_routing_stats``, which Ray Serve
 polls every ``request_routing_stats_period_s``, and this router's own count of
 requests in flight there) and a :class:`~cbcore.scale.router.RouteRequest`
 from the submission, and asks the configured plugin. Ray Serve then sends the
@@ -21,10 +21,9 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from cbcore.config import PluginSpec
 from cbcore.log import get_logger
-from cbcore.outputs import EngineLoad
 from cbcore.plugins import get_registry
-from cbcore.scale.router import ReplicaView, Router, RouteRequest, RouterError
-from cbcore.serve.engine_loop import Submission
+from cbcore.scale.router import EngineLoad, ReplicaView, Router, RouteRequest, RouterError
+from cbcore.serve.channel import Submission
 
 log = get_logger(__name__)
 

@@ -17,9 +17,12 @@ the door asks again one request at a time and blames the first whose call
 raises alone (an ``on_step_end`` asked again may see some results twice).
 
 Everything a policy raises is the policy's, ``SystemExit`` and
-``KeyboardInterrupt`` included, except a Ctrl-C the process received
-(:func:`interrupted`), which stays a shutdown, and a ``MemoryError``, which
-stops the engine. Policies get read-only views
+``KeyboardInterrupt`` included, except a signal the process received
+(:func:`interrupted`: Ctrl-C, SIGTERM), which stays a shutdown, and a
+``MemoryError``, which stops the engine. An application tells a signal
+apart by setting :data:`SIGNALLED` in its handler; without one, a
+KeyboardInterrupt on the main thread is taken for a Ctrl-C and anything else
+for the plugin's. Policies get read-only views
 (``seq.view``, ``blocks.view``), never the engine's objects.
 """
 
@@ -49,7 +52,8 @@ from cbcore.scheduling.sequence import Sequence
 
 log = get_logger(__name__)
 _stored_key = attrgetter("queue_key")
-_ctrl_c = threading.Event()
+#: Set by the application's signal handlers (``cb``: :func:`cbcore.cli.main.opt_in_process_settings`).
+SIGNALLED = threading.Event()
 
 SLOTS = ("queue", "budget", "prefill", "preemption")
 EVENTS = ("on_arrival", "on_step_end", "on_finish")
@@ -86,31 +90,19 @@ def describe(plugin: object, origin: str | None = None) -> str:
     return f"{label} {getattr(plugin, 'name', type(plugin).__name__)!r}" + (f" ({origin})" if origin else "")
 
 
-def mark_interrupts() -> None:
-    """Make Ctrl-C tell itself apart from a policy raising KeyboardInterrupt (call on the main thread).
-
-    The applications (the ``cb`` commands) call this; without it, a
-    KeyboardInterrupt on the main thread is taken for a Ctrl-C and one on any
-    other thread for the policy's.
-    """
-
-    def on_ctrl_c(signum: int, frame: object) -> None:
-        _ctrl_c.set()
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGINT, on_ctrl_c)
-
-
-def interrupted() -> bool:
-    """Whether a KeyboardInterrupt raised now is a Ctrl-C the process received: a shutdown, nobody's fault."""
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        return threading.current_thread() is threading.main_thread()
-    return _ctrl_c.is_set()
+def interrupted(exc: BaseException) -> bool:
+    """Whether ``exc`` (raised now) is the process being stopped by a signal: a shutdown, nobody's fault."""
+    if not isinstance(exc, KeyboardInterrupt | SystemExit):
+        return False
+    if SIGNALLED.is_set():
+        return True
+    default = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    return isinstance(exc, KeyboardInterrupt) and default and threading.current_thread() is threading.main_thread()
 
 
 def raise_named(name: str, method: str, request_id: str | None, exc: BaseException) -> NoReturn:
     """Raise ``exc``, raised by plugin ``name`` in ``method`` about ``request_id``, as the PolicyError naming them."""
-    if isinstance(exc, PolicyError) or (isinstance(exc, KeyboardInterrupt) and interrupted()):
+    if isinstance(exc, PolicyError) or interrupted(exc):
         raise exc
     if isinstance(exc, MemoryError):
         request_id = None  # the process is out of memory: stopping beats guessing whom to blame
@@ -153,6 +145,8 @@ class Door:
         self.sorts_by_key = type(queue).order is QueuePolicy.order
         # Only the policies that override an event hear it: the others' no-ops cost nothing per step.
         self.hearing = {event: [p for p in self.policies if _overrides(p, event)] for event in EVENTS}
+        # (sequence, plugin, what) while a watchdog finds a call about that sequence running past its bound: _late
+        self.overdue: tuple[Sequence, str, str] | None = None
 
     @property
     def culprit(self) -> str:
@@ -173,13 +167,21 @@ class Door:
 
     def _narrow(self, policy: object, method: str, seqs: Seq[Any], ask: Any, exc: BaseException) -> NoReturn:
         """A call about several sequences raised: the first whose call alone raises is to blame."""
-        if not (isinstance(exc, KeyboardInterrupt) and interrupted()) and not isinstance(exc, MemoryError):
+        if not interrupted(exc) and not isinstance(exc, MemoryError):
             for seq in seqs:
                 try:
                     ask(seq)
                 except BaseException as alone:
                     self._raise(policy, method, seq, alone)
         self._raise(policy, method, None, exc)
+
+    def _late(self, seq: Sequence) -> None:
+        """A call about ``seq`` returned while ``overdue`` is set: if it named ``seq``, its request fails now."""
+        late, plugin, what = self.overdue or (None, "", "")
+        if late is seq:
+            self.overdue = None
+            raise PolicyError(f"{plugin}: {what} (request {seq.request_id!r})", plugin=plugin, rule=what,
+                              request_id=seq.request_id, public=f"{plugin.split(' (')[0]}: {what}")  # fmt: skip
 
     # -- answers -------------------------------------------------------------
 
@@ -196,9 +198,12 @@ class Door:
 
     def may_admit(self, seq: Sequence, state: SchedulerState) -> bool:
         try:
-            return bool(self.budget.may_admit(seq.view, state))
+            ok = bool(self.budget.may_admit(seq.view, state))
         except BaseException as exc:
             self._raise(self.budget, "may_admit", seq, exc)
+        if self.overdue:
+            self._late(seq)
+        return ok
 
     def num_tokens(self, seq: Sequence, tokens_left: int, scheduled: Seq[Any]) -> int:
         """Pending tokens of ``seq`` to run now; more than is pending means all of it (documented)."""
@@ -209,6 +214,8 @@ class Door:
             n = self.prefill.num_tokens(seq.view, tokens_left, tuple(scheduled))
         except BaseException as exc:
             self._raise(self.prefill, "num_tokens", seq, exc)
+        if self.overdue:
+            self._late(seq)
         if type(n) is not int or n < 0:
             self._broke(self.prefill, "num_tokens() returns an int >= 0", f"got {n!r}", seq)
         if n > tokens_left and scheduled:
@@ -218,9 +225,12 @@ class Door:
 
     def key(self, seq: Sequence, now: float) -> Any:
         try:
-            return self.queue.key(seq.view, now)
+            key = self.queue.key(seq.view, now)
         except BaseException as exc:
             self._raise(self.queue, "key", seq, exc)
+        if self.overdue:
+            self._late(seq)
+        return key
 
     def order(self, seqs: Seq[Sequence], now: float) -> list[Sequence]:
         """``seqs`` in queue order (a new list): by stored keys, by ``key()``, or by the queue's own ``order()``."""
@@ -234,6 +244,8 @@ class Door:
                     keyed.append((queue.key(seq.view, now), i, seq))
                 except BaseException as exc:
                     self._raise(queue, "key", seq, exc)
+                if self.overdue:
+                    self._late(seq)
             try:
                 keyed.sort()
             except BaseException as exc:  # keys that do not compare
@@ -276,6 +288,8 @@ class Door:
         for policy in self.hearing["on_arrival"]:
             try:
                 policy.on_arrival(seq.view, now)
+                if self.overdue:
+                    self._late(seq)
             except BaseException as exc:
                 for earlier in told:
                     try:
@@ -285,9 +299,9 @@ class Door:
                 self._raise(policy, "on_arrival", seq, exc)
             told.append(policy)
 
-    def step_ended(self, results: list[StepResult], now: float) -> list[PolicyError]:
-        """Every policy hears the step; returns the failures (each names its request, or none)."""
-        failures = []
+    def step_ended(self, results: Seq[StepResult], now: float) -> list[PolicyError]:
+        """Every policy hears the step (as a tuple: one policy cannot change what the next hears); returns the failures."""
+        failures, results = [], tuple(results)
         for policy in self.hearing["on_step_end"]:
             try:
                 policy.on_step_end(results, now)
@@ -325,51 +339,26 @@ class GuardedScheduler:
 
     It is one plugin, so an exception out of any of its methods is its own:
     about the request being added or aborted, else about no single request.
+    Anything else the plugin offers (its own queues, for a test) reads through.
     """
 
     def __init__(self, plugin: Any, name: str) -> None:
         self.plugin, self.name, self.blocks = plugin, name, plugin.blocks
         self.names = {id(plugin): name}
 
-    def __getattr__(self, attr: str) -> Any:  # anything else the plugin offers (its queues, for a test)
-        return getattr(self.plugin, attr)
+    def __getattr__(self, attr: str) -> Any:
+        value = getattr(self.plugin, attr)
+        if attr not in ("add", "abort", "schedule", "on_step_end", "snapshot"):
+            return value
 
-    def add(self, seq: Sequence) -> None:
-        try:
-            self.plugin.add(seq)
-        except BaseException as exc:
-            raise_named(self.name, "add", seq.request_id, exc)
+        def guarded(*args: Any) -> Any:
+            try:
+                return value(*args)
+            except BaseException as exc:
+                about = args[0] if attr in ("add", "abort") else None
+                raise_named(self.name, attr, getattr(about, "request_id", about), exc)
 
-    def abort(self, request_id: str) -> Sequence | None:
-        try:
-            return self.plugin.abort(request_id)
-        except BaseException as exc:
-            raise_named(self.name, "abort", request_id, exc)
-
-    def schedule(self) -> Any:
-        try:
-            return self.plugin.schedule()
-        except BaseException as exc:
-            raise_named(self.name, "schedule", None, exc)
-
-    def on_step_end(self, out: Any, results: Seq[StepResult]) -> list[PolicyError]:
-        try:
-            self.plugin.on_step_end(out, results)
-        except BaseException as exc:
-            raise_named(self.name, "on_step_end", None, exc)
-        return []
-
-    def has_unfinished(self) -> bool:
-        try:
-            return bool(self.plugin.has_unfinished())
-        except BaseException as exc:
-            raise_named(self.name, "has_unfinished", None, exc)
-
-    def snapshot(self) -> Any:
-        try:
-            return self.plugin.snapshot()
-        except BaseException as exc:
-            raise_named(self.name, "snapshot", None, exc)
+        return guarded
 
 
 def _not_a_permutation(ordered: object, given: Seq[Any]) -> str:

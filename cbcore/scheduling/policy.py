@@ -30,7 +30,7 @@ it is wrong or raises.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
@@ -78,6 +78,33 @@ class SequenceView(Protocol):
     def num_cached_prompt_tokens(self) -> int: ...
     @property
     def block_table(self) -> tuple[int, ...]: ...
+
+
+class LazyViews(Seq[Any]):
+    """The waiting queue's views in queue order, ordered on first read: most steps never read it."""
+
+    __slots__ = ("_items", "_order")
+
+    def __init__(self, order: Callable[[], list[Any]]) -> None:  # the sequences, each with a .view
+        object.__setattr__(self, "_order", order)
+        object.__setattr__(self, "_items", None)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"state.waiting is read-only (tried to set {name!r})")
+
+    __delattr__ = __setattr__
+
+    @property
+    def items(self) -> tuple[Any, ...]:
+        if self._items is None:
+            object.__setattr__(self, "_items", tuple(s.view for s in self._order()))
+        return self._items
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.items[index]
+
+    def __len__(self) -> int:
+        return len(self.items)
 
 
 @dataclass(frozen=True)

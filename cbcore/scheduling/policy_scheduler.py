@@ -43,8 +43,7 @@ swapped*. The rules, in the order they apply:
    evicting all of them would make room: an eviction that cannot admit it
    only destroys work. A sequence alone in the cache and still too big ends
    with an error, and admission goes on behind it.
-4. Every swap-out is planned before any swap-in: the runner copies out
-   first, so a swap-in may reuse a block a swap-out of the same step freed.
+4. Every swap-out is planned before any swap-in (the runner copies out first).
 5. A sequence's first admission time is stamped once; preemptions keep it.
 
 **Events** reach the policies only after a step has committed (never while it
@@ -66,32 +65,13 @@ from cbcore.log import get_logger
 from cbcore.plugins import get_registry
 from cbcore.scheduling.block_manager import BlockManager
 from cbcore.scheduling.door import Door, GuardedScheduler, PolicyError, describe
-from cbcore.scheduling.policy import SchedulerState, StepResult
+from cbcore.scheduling.policy import LazyViews, SchedulerState, StepResult
 from cbcore.scheduling.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from cbcore.scheduling.sequence import FinishReason, Sequence, SequenceStatus
 
 log = get_logger(__name__)
 
 WAITING, RUNNING, SWAPPED = SequenceStatus.WAITING, SequenceStatus.RUNNING, SequenceStatus.SWAPPED
-
-
-class LazyViews(Seq[Any]):
-    """The waiting queue's views in queue order, ordered on first read: most steps never read it."""
-
-    def __init__(self, order: Callable[[], list[Sequence]]) -> None:
-        self._order, self._items = order, None
-
-    @property
-    def items(self) -> tuple[Any, ...]:
-        if self._items is None:
-            self._items = tuple(s.view for s in self._order())
-        return self._items
-
-    def __getitem__(self, index: Any) -> Any:
-        return self.items[index]
-
-    def __len__(self) -> int:
-        return len(self.items)
 
 
 class PolicyScheduler:
@@ -140,7 +120,9 @@ class PolicyScheduler:
         now = self.clock()
         seq.finish(FinishReason.ABORT if seq.error is None else FinishReason.ERROR, now, seq.error)
         del self._by_id[request_id]
-        self.door.finished(seq, now)
+        for failure in self.door.finished(seq, now):
+            if failure.request_id is None:  # a MemoryError: it stops the engine, as anywhere else
+                raise failure
         return seq
 
     def snapshot(self) -> Callable[[], None]:
@@ -170,8 +152,9 @@ class PolicyScheduler:
                 blocks.free(seq)
                 self._by_id.pop(seq.request_id, None)
         failures = self.door.step_ended(results, now) if self.door.hearing["on_step_end"] else []
-        for seq in ended:
-            failures += self.door.finished(seq, now)
+        if self.door.hearing["on_finish"]:
+            for seq in ended:
+                failures += self.door.finished(seq, now)
         return failures
 
     # -- one step ------------------------------------------------------------
@@ -180,21 +163,17 @@ class PolicyScheduler:
         self.step_index += 1
         now = self._now = self.clock()
         self._ordered = None
-        door = self.door
         self._state = state = SchedulerState(
             now, self.step_index, LazyViews(self._waiting_order), tuple(s.view for s in self.running),
             tuple(s.view for s in self.swapped), self.blocks.view,
         )  # fmt: skip
-        limits = door.limits(state)
-        self._max_seqs = limits.max_num_seqs
+        limits = self.door.limits(state)
         self._tokens_left, self._seqs_left = limits.max_num_tokens, limits.max_num_seqs
         self._out = SchedulerOutput(limits=limits)
         self._tokens: dict[Sequence, int] = {}  # scheduled this step
         self._views: list[Any] = []  # their views, for num_tokens(..., scheduled)
-        self._partials = 0
         for phase in (self._run, self._swap_in, self._admit) if self.decode_first else (self._admit, self._run, self._swap_in):
             phase()
-        self.num_partial_prefills += self._partials
         return self._out
 
     def _waiting_order(self) -> list[Sequence]:
@@ -204,7 +183,7 @@ class PolicyScheduler:
 
     def _add(self, seq: Sequence, n: int) -> None:
         if n < len(seq.token_ids) - seq.num_computed_tokens:
-            self._partials += 1
+            self.num_partial_prefills += 1  # (the step's undo restores the counters)
         self._out.scheduled.append(ScheduledSeq(seq, n))
         self._tokens[seq] = n
         self._views.append(seq.view)
@@ -212,7 +191,7 @@ class PolicyScheduler:
         self._seqs_left -= 1
 
     def _has_slot(self) -> bool:
-        return self._seqs_left > 0 and len(self.running) < self._max_seqs
+        return self._seqs_left > 0 and len(self.running) < self._out.limits.max_num_seqs
 
     def _run(self) -> None:
         """Phase 1: the running sequences (rule 1)."""
@@ -269,7 +248,7 @@ class PolicyScheduler:
         for seq in self.door.order(self.swapped, self._now):
             if seq in evicted:
                 continue
-            if self._seqs_left <= 0 or self._tokens_left <= 0 or len(self.running) >= self._max_seqs:
+            if self._seqs_left <= 0 or self._tokens_left <= 0 or len(self.running) >= self._out.limits.max_num_seqs:
                 break
             n = self.door.num_tokens(seq, self._tokens_left, self._views)
             if n <= 0 or not self.blocks.can_swap_in(seq, n):
@@ -333,7 +312,7 @@ class PolicyScheduler:
         if victim in self._tokens:
             n = self._tokens.pop(victim)
             if n < len(victim.token_ids) - victim.num_computed_tokens:
-                self._partials -= 1
+                self.num_partial_prefills -= 1
             out.scheduled = [s for s in out.scheduled if s.seq is not victim]
             self._views.remove(victim.view)
             self._tokens_left += n
@@ -360,11 +339,9 @@ class PolicyScheduler:
     def _fail(self, seq: Sequence, tokens: int) -> None:
         """End ``seq`` with an error: ``tokens`` tokens of it need more KV blocks than the whole cache has."""
         blocks = self.blocks
-        message = (
-            f"request {seq.request_id!r} needs {blocks.blocks_for_tokens(tokens)} KV blocks for {tokens}"
-            f" tokens but the cache has {blocks.num_blocks} blocks of {blocks.block_size}; raise"
-            " kv_cache.num_blocks or lower max_new_tokens"
-        )
+        message = (f"request {seq.request_id!r} needs {blocks.blocks_for_tokens(tokens)} KV blocks for {tokens} tokens "
+                   f"but the cache has {blocks.num_blocks} blocks of {blocks.block_size}; raise kv_cache.num_blocks "
+                   "or lower max_new_tokens")  # fmt: skip
         self._remove(seq)
         seq.finish(FinishReason.ERROR, self._now, message)
         self._out.failed.append(seq)
@@ -380,13 +357,10 @@ class PolicyScheduler:
             self.blocks.drop_host(seq)
         elif seq.status is WAITING:
             self.waiting.remove(seq)
-            if seq.block_table:
-                self.blocks.free(seq)
+            self.blocks.free(seq)  # nothing, or the cached prefix it mapped
 
 
-def build_scheduler(
-    config: EngineConfig, num_blocks: int, clock: Callable[[], float]
-) -> tuple[Scheduler, dict[int, str]]:
+def build_scheduler(config: EngineConfig, num_blocks: int, clock: Callable[[], float]) -> tuple[Scheduler, dict[int, str]]:
     """The configured scheduler over a fresh :class:`BlockManager`, and its plugins' names (for errors)."""
     registry = get_registry(tuple(config.plugins))
     sched, kv = config.scheduler, config.kv_cache

@@ -28,6 +28,7 @@ no event of a step that was undone.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any
@@ -57,24 +58,25 @@ class Steps:
     spent: int = 0  # tokens computed since a token was last sampled
     idle: int = 0  # steps in a row that computed nothing
 
-    def observe(
-        self, out: SchedulerOutput, computed: int, sampled: int, waiting: Callable[[], str] = lambda: "work"
-    ) -> None:
-        """The progress guarantee, for one checked plan (``waiting()`` says what waits, for the message)."""
+    def __post_init__(self) -> None:
+        self.window = WINDOW_CAPACITIES * self.scheduler.blocks.capacity_tokens  # the livelock bound, in tokens
+
+    def observe(self, out: SchedulerOutput, computed: int, sampled: int, waiting: int = 1, holding: int = 0) -> None:
+        """The progress guarantee, for one checked plan, with how many live requests wait and hold KV."""
         if computed == 0 and not out.failed:
-            if not self.scheduler.has_unfinished():
+            if not waiting and not holding:
                 return
             self.idle += 1
             moved = out.preempted or out.swap_out or out.swap_in
             if not moved or self.idle > MAX_IDLE_STEPS:
                 what = "changed nothing" if not moved else f"computed nothing for {self.idle} steps"
-                msg = f"planned no tokens while work waits ({waiting()}) and {what}: it would spin forever"
+                msg = f"planned no tokens while work waits ({waiting} waiting, {holding} holding KV) and {what}: it would spin forever"
                 rule = "a step computes tokens while work waits"
                 raise SchedulerStall(f"{self.culprit} {msg}", plugin=self.culprit, rule=rule)
             return
         self.idle = 0
         self.spent = 0 if sampled else self.spent + computed
-        if self.spent > WINDOW_CAPACITIES * self.scheduler.blocks.capacity_tokens:
+        if self.spent > self.window:
             raise SchedulerStall(
                 f"{self.culprit} computed {self.spent} tokens without sampling one (more than {WINDOW_CAPACITIES}x "
                 "the KV cache's capacity): preemptions keep throwing work away, a livelock",
@@ -96,28 +98,30 @@ class Steps:
 class StepTransaction:
     """What one step changed, so that it can be undone; one per step (and per re-planning of it)."""
 
+    # The scheduler's answer, and its checked plan (from then on the executor may write KV); (generator,
+    # state before sampling) of each row that samples. Set by check().
+    out: SchedulerOutput | None = None
+    executed: StepPlan | None = None
+    rng: Seq[tuple[Any, Any]] = ()
+
     def __init__(self, steps: Steps, live: Iterable[Sequence]) -> None:
         self.steps = steps
         sched = self.scheduler = steps.scheduler
-        self.since = steps.clock()
-        self.held, self.idle = [], []
+        self.held, self.idle = [], []  # (seq, its fields); (a waiting seq without KV, its first_scheduled_time)
         for s in live:
             if s.block_table or s.status is not SequenceStatus.WAITING:
                 self.held.append((s, s.status, s.num_computed_tokens, s.num_preemptions, s.block_table, len(s.block_table)))
             else:
-                self.idle.append(s)
+                self.idle.append((s, s.first_scheduled_time))
         self.blocks_point = sched.blocks.undo_point()
         self.restore_own = sched.snapshot()
-        self.out: SchedulerOutput | None = None
-        self.executed: StepPlan | None = None  # the checked plan: from then on the executor may write KV
-        self.rng: list[tuple[Any, Any]] = []  # (generator, state before sampling)
-        self.appended: list[tuple[Sequence, bool]] = []  # (seq, whether it had a first token before)
+        self.appended: list[tuple[Sequence, bool]] = []  # (seq, whether it had a first token before the step)
 
     def check(self, out: SchedulerOutput) -> StepPlan:
         """Check the scheduler's answer and turn it into the runner's plan; save the RNG of the rows that sample."""
         self.out = out
         plan, computed, sampled = check_plan(out, self.scheduler.blocks, self.steps.culprit)
-        self.steps.observe(out, computed, sampled, lambda: f"{len(self.idle)} waiting, {len(self.held)} holding KV")
+        self.steps.observe(out, computed, sampled, len(self.idle), len(self.held))
         self.rng = [(row.generator, row.generator.get_state()) for row in plan.rows if row.generator is not None]
         self.executed = plan
         return plan
@@ -129,10 +133,7 @@ class StepTransaction:
         whose sampling failed (they alone end with an error), and the step's
         results for the policies (the preempted included).
         """
-        out = self.out
-        assert out is not None
-        now = self.steps.clock()
-        finish = self.steps.finish_rule
+        out, now = self.out, self.steps.clock()
         new_token: dict[Sequence, int] = {}
         failed: list[Sequence] = []
         errors = sampled.errors or [None] * len(sampled.rows)
@@ -147,7 +148,7 @@ class StepTransaction:
             seq.append_token(token, now)
             if logprobs is not None:
                 seq.logprobs.append(logprobs)
-            finish(seq, token, now)
+            self.steps.finish_rule(seq, token, now)
             new_token[seq] = token
         results = []
         for item in out.scheduled:
@@ -183,11 +184,9 @@ class StepTransaction:
             seq.finish_reason = seq.finish_time = seq.error = None
             if written:
                 self.drop_overwritten(seq, written)
-        for seq in self.idle:
+        for seq, first_scheduled in self.idle:
             seq.status, seq.num_computed_tokens, seq.block_table = SequenceStatus.WAITING, 0, []
-            if seq.first_scheduled_time is not None and seq.first_scheduled_time >= self.since:
-                seq.first_scheduled_time = None  # first admitted by the step being undone
-            seq.finish_reason = seq.finish_time = seq.error = None
+            seq.first_scheduled_time, seq.finish_reason, seq.finish_time, seq.error = first_scheduled, None, None, None
         self.scheduler.blocks.reset_to([held[0] for held in self.held], self.blocks_point)
 
     def written(self) -> dict[int, int]:

@@ -10,9 +10,9 @@ from typing import Any
 from fastapi import FastAPI, Response
 from fastapi.responses import JSONResponse
 
-from cbcore.config import ServeConfig
 from cbcore.engine import Engine
 from cbcore.serve import errors
+from cbcore.serve.config import ServeConfig
 from cbcore.serve.convert import Limits
 from cbcore.serve.engine_loop import EngineLoop
 from cbcore.serve.errors import ApiError
@@ -27,7 +27,8 @@ def build_app(
     """The app; the engine thread starts with it and stops (aborting what is left) when it stops."""
     metrics = ServerMetrics(model_name, policy_label(engine.config))
     engine.step_listeners.append(metrics.on_step)
-    loop = EngineLoop(engine, observers=[metrics.observe], abort_listeners=[metrics.finished])
+    loop = EngineLoop(engine, observers=[metrics.observe], abort_listeners=[metrics.finished],
+                      stall_listeners=[metrics.stalled], watchdog_s=settings.watchdog_s)  # fmt: skip
     metrics.on_load(loop.load)
     return make_app(ServerState(loop, tokenizer, model_name, Limits.of(engine), settings, metrics, api_key))
 
@@ -62,8 +63,8 @@ def make_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        if not loop.alive:
-            return JSONResponse({"status": "engine thread stopped"}, status_code=503)
+        if (trouble := loop.trouble) is not None:  # stopped after a failure, stalled, or no engine thread
+            return JSONResponse({"status": trouble}, status_code=503)
         if loop.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         return JSONResponse({"status": "ok"})
@@ -71,8 +72,8 @@ def make_app(state: ServerState) -> FastAPI:
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> JSONResponse:
         """vLLM's endpoint (its development mode): a benchmark's run must not find an earlier run's prompts cached."""
-        if not loop.alive:
-            raise ApiError(503, "the engine thread has stopped")
+        if (trouble := loop.trouble) is not None:
+            raise ApiError(503, trouble)
         return JSONResponse({"success": True, "freed_blocks": await loop.reset_prefix_cache()})
 
     @app.get("/metrics")

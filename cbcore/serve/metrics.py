@@ -16,6 +16,11 @@ from requests, so their labels are bounded: the first ``max_clients`` distinct
 ids (default 16) keep their own label and every later one is counted as
 ``other``; likewise the first ``max_priorities`` priority values (default 8).
 A series never changes its label, so a dashboard's lines stay continuous.
+
+``engine_stalled`` is 1 while a call into the engine runs past
+``serve.watchdog_s`` (:mod:`cbcore.serve.watchdog`), labelled with the plugin
+and the method it stalled in (the scheduler's own plugins and the methods the
+engine calls: a bounded set), and 0 again once the call has returned.
 """
 
 from __future__ import annotations
@@ -33,7 +38,9 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from cbcore.bench.classes import deadline_met
 from cbcore.config import SLOTS, EngineConfig
 from cbcore.engine import StepRecord
-from cbcore.outputs import EngineLoad, RequestOutput
+from cbcore.outputs import RequestOutput
+from cbcore.scale.router import EngineLoad
+from cbcore.serve.watchdog import Stall
 
 PREFIX = "cbcore:"
 LATENCY_BUCKETS = (
@@ -172,6 +179,17 @@ class ServerMetrics:
             registry=reg,
         )
         self._deadline_counts: dict[tuple[str, str], list[int]] = {}  # class -> [met, total]
+        self.engine_stalled = Gauge(
+            PREFIX + "engine_stalled",
+            "1 while a call into the engine has run past serve.watchdog_s, by the plugin and method it is in.",
+            [*names, "plugin", "method"],
+            registry=reg,
+        )
+
+    def stalled(self, stall: Stall, begins: bool) -> None:
+        """A stall listener: the series of the stall's plugin and method is 1 while it lasts."""
+        plugin, method = stall.labels
+        self.engine_stalled.labels(**self._labels, plugin=plugin, method=method).set(1 if begins else 0)
 
     def finished(self, reason: str) -> None:
         self._success.labels(**self._labels, finished_reason=reason).inc()

@@ -23,7 +23,7 @@ from pydantic import BaseModel
 from cbcore.outputs import RequestOutput
 from cbcore.scheduling.request import RequestFields
 from cbcore.serve import convert
-from cbcore.serve.engine_loop import Failed, Handle, Submission
+from cbcore.serve.channel import Failed, Handle, Submission
 from cbcore.serve.errors import ApiError
 from cbcore.serve.protocol import (
     AssistantMessage,

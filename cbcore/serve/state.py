@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from cbcore.config import ServeConfig
+from cbcore.serve.config import ServeConfig
 from cbcore.serve.convert import Limits
 from cbcore.serve.engine_loop import EngineLoop
 from cbcore.serve.errors import ApiError
@@ -41,10 +41,13 @@ class ServerState:
         return default_body_limit(self.prompts.context)
 
     def admit(self) -> None:
-        """503 (with Retry-After) while shutting down or while the waiting queue is full."""
+        """503 (with Retry-After) while shutting down, while the engine cannot take work (stopped, stalled:
+        the reason), or while the waiting queue is full."""
         retry = {"Retry-After": str(self.settings.retry_after_s)}
         if self.loop.draining:
             raise ApiError(503, "the server is shutting down", headers=retry)
+        if (trouble := self.loop.trouble) is not None:
+            raise ApiError(503, trouble, headers=retry)
         limit = self.settings.max_waiting
         if limit is not None and self.loop.num_waiting >= limit:
             raise ApiError(503, f"the server is full: {limit} requests are already waiting", headers=retry)

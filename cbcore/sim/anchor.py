@@ -13,6 +13,7 @@ profiles got theirs.
 from __future__ import annotations
 
 import csv
+import itertools
 from pathlib import Path
 from statistics import fmean, median
 
@@ -55,3 +56,15 @@ def check_linear(hw: Hardware, model: ModelShape, timings: list[tuple[int, float
         "mean_abs_upto_64_tokens": fmean(small) if small else float("nan"),
         "points": len(errors),
     }
+
+
+def fit_efficiencies(hw: Hardware, model: ModelShape, timings: list[tuple[int, float]]) -> Hardware:
+    """The (FLOP/s, bandwidth) efficiencies on a 2 % grid with the smallest mean relative error."""
+    grid = [i / 100 for i in range(30, 101, 2)]
+    best = min(
+        itertools.product(grid, grid),
+        key=lambda fb: check_linear(
+            hw.model_copy(update={"flops_efficiency": fb[0], "bandwidth_efficiency": fb[1]}), model, timings
+        )["mean_abs"],
+    )
+    return hw.model_copy(update={"flops_efficiency": best[0], "bandwidth_efficiency": best[1]})

@@ -41,8 +41,6 @@ class SimExecutor:
     def prepare(self, plan: StepPlan) -> StepShape:
         return StepShape.of(plan)
 
-    def batch_of(self, shape: StepShape) -> None:
-        return None
 
     def forward(self, shape: StepShape) -> None:
         cost = self.price(shape)

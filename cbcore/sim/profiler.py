@@ -72,7 +72,8 @@ QUICK = Grid(
 
 
 def profile_config(config: EngineConfig, grid: Grid) -> EngineConfig:
-    """The user's config (backend, KV layout, model) with a budget wide enough for every grid shape."""
+    """The user's config (backend, KV layout, model) with a budget wide enough for every grid shape, of the
+    user's config class (a ``Settings`` keeps its application sections)."""
     data = config.model_dump()
     data["scheduler"] = {
         "queue": {"name": "fcfs"},
@@ -84,7 +85,7 @@ def profile_config(config: EngineConfig, grid: Grid) -> EngineConfig:
         "prefill": {"name": "chunked-prefill", "chunk_size": grid.chunk},
         "preemption": {"name": "recompute"},
     }
-    return EngineConfig.model_validate(data)
+    return type(config).model_validate(data)
 
 
 def measure(

@@ -12,8 +12,7 @@ from collections.abc import Sequence as Seq
 
 from cbcore.bench.workload import BenchRequest
 from cbcore.engine_core import EngineCore
-from cbcore.outputs import EngineLoad
-from cbcore.scale.router import ReplicaView, Router, RouteRequest, checked_choice
+from cbcore.scale.router import EngineLoad, ReplicaView, Router, RouteRequest, checked_choice, engine_load
 
 
 def replica_ids(n: int) -> list[str]:
@@ -39,7 +38,7 @@ class RouterPlacement:
     def place(self, request: BenchRequest, prompt: Seq[int], engines: Seq[EngineCore]) -> int:
         now = request.arrival_s
         if now - self._loads_at >= self.load_interval_s:
-            self._loads = [e.load() for e in engines]
+            self._loads = [engine_load(e) for e in engines]
             self._loads_at = now
         age = now - self._loads_at
         assert self._loads is not None

@@ -18,6 +18,8 @@ from cbcore.bench.suite import BenchResult, Row, budget_limit, prompt_token_ids,
 from cbcore.bench.workload import Workload, WorkloadError
 from cbcore.config import EngineConfig
 from cbcore.plugins import get_registry
+from cbcore.scale.router import engine_load
+from cbcore.serve.config import Settings
 from cbcore.sim.executor import sim_engine
 from cbcore.sim.profile import Profile
 from cbcore.sim.routing import RouterPlacement
@@ -38,10 +40,16 @@ def simulate_suite(
 
     With ``replicas`` > 1, each row is that many engines of its configuration
     behind its ``router`` plugin, which reads their load every
-    ``load_interval_s`` of virtual time.
+    ``load_interval_s`` of virtual time; the configurations are then
+    :class:`~cbcore.serve.config.Settings`, which hold the router.
     """
     if replicas < 1:
         raise ValueError(f"replicas must be at least 1, got {replicas}")
+    if replicas > 1 and (plain := [name for name, config in configs if not isinstance(config, Settings)]):
+        raise TypeError(
+            f"replicas={replicas}: rows {plain} have no router (an EngineConfig holds none); "
+            "build their configs as cbcore.serve.config.Settings"
+        )
     if workload.is_closed_loop:
         raise WorkloadError(
             f"workload {workload.name!r} is closed-loop (requests follow others' answers); "
@@ -80,6 +88,7 @@ def _simulate(
     engines = [sim_engine(config, profile, VirtualClock()) for _ in range(replicas)]
     placement = None
     if replicas > 1:
+        assert isinstance(config, Settings)  # simulate_suite checked every row
         registry = get_registry(tuple(config.plugins))
         router = registry.create("router", config.router.name, config.router.params, "router")
         placement = RouterPlacement(router, replicas, load_interval_s)
@@ -87,13 +96,13 @@ def _simulate(
     run.info = {
         "scheduler": config.scheduler.model_dump(exclude_defaults=True) or "default",
         "max_num_seqs": budget_limit(config, "max_num_seqs"),
-        "kv_blocks": engines[0].load().kv_blocks_total,
+        "kv_blocks": engine_load(engines[0]).kv_blocks_total,
         "extrapolated_steps": (wide := sum(e.executor.extrapolated_steps for e in engines)),
     }
     if wide:
         run.info["notes"] = [
-            f"{wide} of {len(run.steps)} steps were wider than the profile's measured tables and were "
-            "priced in proportion to their tokens (the profile says where its tables end)"
+            f"{wide} of {len(run.steps)} steps were wider than the profile's measured tables "
+            f"({profile.describe().get('exact_up_to_tokens')} tokens) and were priced in proportion to their tokens"
         ]
     if placement is not None:
         run.info |= {

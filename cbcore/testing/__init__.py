@@ -1,4 +1,4 @@
-"""Equivalence testing: tiny models, the per-prompt reference, and the comparison.
+"""Testing helpers: tiny models, the per-prompt reference and the comparison; the scheduler without a model.
 
 The contract (docs/equivalence.md): for float32 greedy decoding every
 request's tokens equal HF ``generate()`` on that prompt alone; the only
@@ -17,6 +17,7 @@ from cbcore.testing.compare import (
     compare_greedy,
     compare_topk,
 )
+from cbcore.testing.fake_run import FakeRun, budget
 from cbcore.testing.reference import reference_generate
 from cbcore.testing.tiny_models import TINY_FAMILIES, random_prompts, shared_prefix_prompts, tiny_model
 
@@ -25,7 +26,9 @@ __all__ = [
     "TINY_FAMILIES",
     "Comparison",
     "EquivalenceReport",
+    "FakeRun",
     "assert_equivalent",
+    "budget",
     "compare_greedy",
     "compare_topk",
     "random_prompts",

@@ -21,7 +21,7 @@ from collections import defaultdict
 
 import pytest
 import torch
-from attention_batches import packed_step, torch_threads
+from support.attention_batches import packed_step, torch_threads
 
 from cbcore.execution.backend import BackendUnavailable
 from cbcore.plugins import get_registry

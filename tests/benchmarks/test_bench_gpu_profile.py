@@ -30,8 +30,8 @@ def _recorded_shapes(n: int) -> list[StepShape]:
     shapes: list[StepShape] = []
     prepare = executor.SimExecutor.prepare
 
-    def record(self, out, plan):  # type: ignore[no-untyped-def]
-        shape = prepare(self, out, plan)
+    def record(self, plan):  # type: ignore[no-untyped-def]
+        shape = prepare(self, plan)
         shapes.append(shape)
         return shape
 

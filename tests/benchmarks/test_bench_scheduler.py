@@ -62,12 +62,13 @@ def prompt_len(i: int, memory: str) -> int:
     return PROMPT if memory == "tight" else PROMPT + i % BLOCK_SIZE
 
 
-def make_scheduler(kind: str, name: str, memory: str) -> PolicyScheduler:
+def make_scheduler(kind: str, name: str, memory: str, params: dict | None = None) -> PolicyScheduler:
+    """The defaults with ``name`` in slot ``kind`` (given ``params``, else PARAMS'), loaded as described above."""
     registry = get_registry()
     names = {**DEFAULTS, kind: name}
+    given = {policy: PARAMS.get(policy, {}) for policy in names.values()} | ({name: params} if params else {})
     policies = {
-        slot: registry.create(slot, policy, PARAMS.get(policy, {}), f"scheduler.{slot}")
-        for slot, policy in names.items()
+        slot: registry.create(slot, policy, given[policy], f"scheduler.{slot}") for slot, policy in names.items()
     }
     running_blocks = sum(-(-prompt_len(i, memory) // BLOCK_SIZE) for i in range(NUM_RUNNING))
     spare = 64 if memory == "tight" else 100_000

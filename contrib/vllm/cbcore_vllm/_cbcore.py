@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from cbcore.config import SLOTS, ConfigError, EngineConfig, format_validation_error
 from cbcore.plugins import PluginError, get_registry
-from cbcore.scheduling.door import Door, PolicyError
+from cbcore.scheduling.door import SIGNALLED, Door, PolicyError
 from cbcore.scheduling.policy import (
     BudgetPolicy,
+    LazyViews,
     PreemptionPolicy,
     PrefillPolicy,
     QueuePolicy,
@@ -23,10 +24,15 @@ from cbcore.scheduling.policy import (
     StepLimits,
     StepResult,
 )
-from cbcore.scheduling.policy_scheduler import LazyViews
 from cbcore.scheduling.request import EMPTY_ATTRS, RequestFields, field_problems
 from cbcore.scheduling.sampling_params import SamplingParams
 from cbcore.scheduling.scheduler import SchedulerError
+
+# The decision check (cbcore_vllm.check): cbcore's engine, config files and workloads.
+from cbcore.engine import Engine  # isort: skip
+from cbcore.config import read_config_file  # isort: skip
+from cbcore.bench.sources import load_workload  # isort: skip
+from cbcore.bench.workload import WorkloadError  # isort: skip
 
 # The built-in policies the adapter translates into vLLM's own knobs, or refuses.
 from cbcore.policies.chunked_prefill import ChunkedPrefill  # isort: skip
@@ -35,11 +41,13 @@ from cbcore.policies.whole_prompt import WholePrompt  # isort: skip
 
 __all__ = [
     "EMPTY_ATTRS",
+    "SIGNALLED",
     "SLOTS",
     "BudgetPolicy",
     "ChunkedPrefill",
     "ConfigError",
     "Door",
+    "Engine",
     "EngineConfig",
     "LazyViews",
     "LongestPrefixMatch",
@@ -56,7 +64,10 @@ __all__ = [
     "StepLimits",
     "StepResult",
     "WholePrompt",
+    "WorkloadError",
     "field_problems",
     "format_validation_error",
     "get_registry",
+    "load_workload",
+    "read_config_file",
 ]

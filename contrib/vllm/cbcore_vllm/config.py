@@ -17,7 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from cbcore_vllm._cbcore import ConfigError, EngineConfig, PluginError, format_validation_error
 
 KEY = "cbcore"  # additional_config["cbcore"]
-TESTED_VLLM = "0.32.0"
+# The vLLM releases the adapter is tested on (docs/vllm.md, "Versions"); shim.py has a section for each.
+TESTED_VLLM = ("0.32.0", "0.33.0", "0.34.0")
 
 # cbcore config sections that vLLM's own flags decide; each with the flag to use instead.
 _VLLM_OWNS = {
@@ -51,7 +52,9 @@ class AdapterConfig(BaseModel):
 
     clock: Literal["wall"] | StepClock = "wall"
     allow_untested_vllm: bool = Field(
-        False, description=f"Start on a vLLM other than {TESTED_VLLM}, whose scheduler the adapter was not tested on."
+        False,
+        description=f"Start on a vLLM other than {', '.join(TESTED_VLLM)}, whose scheduler the adapter was not "
+        "tested on (with the internals of the nearest older tested version).",
     )
 
 

@@ -40,14 +40,26 @@ class PolicyRequestQueue(RequestQueue):
     def end_step(self) -> None:
         self._admits = None
 
-    def ordered(self) -> list[Request]:
-        """Every member in policy order (computed at most once per change of members)."""
+    def members(self) -> Iterable[Request]:
+        """The waiting requests, unordered (no policy call)."""
+        return self._members.keys()
+
+    def _order(self) -> list[Request]:
+        """The policy's order of the members when it was last computed (popped ones may still be in it)."""
         if self._ordered is None:
             self._ordered = self._order_fn(list(self._members))
-        return [r for r in self._ordered if r in self._members]
+        return self._ordered
+
+    def ordered(self) -> list[Request]:
+        """Every member in policy order (computed at most once per change of members)."""
+        members = self._members
+        return [r for r in self._order() if r in members]
 
     def _front(self) -> Request | None:
-        for request in self.ordered():
+        members = self._members
+        for request in self._order():
+            if request not in members:  # popped since the order was computed
+                continue
             if self._admits is None or request in self._admitted:
                 return request
             if request in self._refused:

@@ -1,58 +1,39 @@
 """cbcore's policy views over vLLM's own objects: a ``Request`` seen as a ``SequenceView``.
 
 One view per request for its whole life, so that a policy keeping state by
-identity (``seq in self.seen``) sees the same object in every event, as in cbcore's engine. The fields read vLLM's request
+identity (``seq in self.seen``) sees the same
+object in every event, as in cbcore's engine. The fields read vLLM's request
 live; the per-request fields vLLM does not have (client id, deadline,
 attributes) come from the request's ``vllm_xargs`` and are checked with
-cbcore's own rules when the request arrives.
+cbcore's own rules when the request arrives (``fields.py``).
+
+Under async scheduling a request's fields are vLLM's own accounting when the
+next step is planned: ``num_computed_tokens`` already counts the step in
+flight (vLLM advances it when it schedules), ``num_output_tokens`` counts only
+the tokens delivered, and ``num_pending_tokens`` what is left to schedule
+(including the token the step in flight will sample). Synchronous, nothing is
+in flight and these are cbcore's meanings exactly.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
-from typing import Any
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
-from pydantic import ValidationError
 from vllm.sampling_params import SamplingParams as VllmSamplingParams
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.request import Request
 
-from cbcore_vllm._cbcore import RequestFields, SamplingParams, field_problems
+from cbcore_vllm._cbcore import SamplingParams
+from cbcore_vllm.fields import check_xargs
 
-# The keys of SamplingParams.extra_args (an OpenAI request's `vllm_xargs`) that reach policies.
-XARGS = ("client_id", "deadline_s", "attrs")
-
-
-class RequestFieldError(ValueError):
-    """A request's ``vllm_xargs`` hold a client id, deadline or attrs cbcore would refuse."""
-
+if TYPE_CHECKING:
+    from cbcore_vllm.shim import V0_32
 
 def policy_fields(params: VllmSamplingParams | None) -> tuple[str, float | None, Mapping[str, Any]]:
-    """(client_id, deadline_s, attrs) from ``vllm_xargs``, checked by cbcore's own ``RequestFields``."""
-    extra = (params.extra_args if params is not None else None) or {}
-    try:
-        data = {key: extra[key] for key in XARGS if key in extra}
-        if "attrs" in data:
-            data["attrs"] = _attrs_object(data["attrs"])
-        fields = RequestFields(**data)
-    except ValueError as exc:  # a ValidationError is one too
-        detail = field_problems(exc) if isinstance(exc, ValidationError) else str(exc)
-        raise RequestFieldError(f"vllm_xargs: {detail}") from None
-    return fields.client_id, fields.deadline_s, fields.attrs
-
-
-def _attrs_object(value: Any) -> Any:
-    """``attrs`` as sent: an object, or (over HTTP, where vllm_xargs values are scalars) its JSON text."""
-    if not isinstance(value, str):
-        return value
-    try:
-        parsed = json.loads(value)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"attrs must be a JSON object (or its JSON text), got unparsable text: {exc}") from None
-    if not isinstance(parsed, dict):
-        raise ValueError(f"attrs must be a JSON object, got {type(parsed).__name__}")
-    return parsed
+    """(client_id, deadline_s, attrs) from the request's ``vllm_xargs``, checked by cbcore's own rules."""
+    return check_xargs((params.extra_args if params is not None else None) or {})
 
 
 def cbcore_params(params: VllmSamplingParams | None) -> SamplingParams:
@@ -75,65 +56,85 @@ class RequestView:
     """A vLLM ``Request`` as cbcore's ``SequenceView`` (docs/policies.md lists the fields)."""
 
     __slots__ = (
-        "_kv",
+        "_blocks",
+        "_cached",
+        "_request",
         "arrival_time",
         "attrs",
         "client_id",
         "deadline_s",
-        "num_cached_prompt_tokens",
+        "num_prompt_tokens",
         "params",
+        "priority",
+        "prompt_token_ids",
         "queue_key",
-        "request",
+        "request_id",
     )
 
-    def __init__(self, request: Request, arrival_time: float, kv: KVCacheManager) -> None:
-        self.request = request
-        self._kv = kv
-        self.arrival_time = arrival_time  # the adapter's clock, the one `now` is read from
-        self.client_id, self.deadline_s, self.attrs = policy_fields(request.sampling_params)
-        self.params = cbcore_params(request.sampling_params)
-        self.num_cached_prompt_tokens = 0
-        self.queue_key: Any = None  # stored at arrival for a queue whose keys never change
+    def __init__(self, request: Request, arrival_time: float, kv: KVCacheManager, internals: V0_32) -> None:
+        put = object.__setattr__  # read-only for policies, as cbcore's own views: written here only
+        put(self, "_request", request)
+        # What never changes is copied once: policies read these in every order() and key().
+        put(self, "request_id", request.request_id)
+        put(self, "priority", request.priority)
+        put(self, "num_prompt_tokens", request.num_prompt_tokens)
+        put(self, "prompt_token_ids", tuple(request.prompt_token_ids or ()))
+        put(self, "_blocks", partial(internals.block_ids, kv, request.request_id))
+        put(self, "arrival_time", arrival_time)  # the adapter's clock, the one `now` is read from
+        client_id, deadline_s, attrs = policy_fields(request.sampling_params)
+        put(self, "client_id", client_id)
+        put(self, "deadline_s", deadline_s)
+        put(self, "attrs", attrs)
+        put(self, "params", cbcore_params(request.sampling_params))
+        put(self, "_cached", 0)
+        put(self, "queue_key", None)  # stored at arrival for a queue whose keys never change (the adapter's)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"a policy cannot set {name!r}: requests are read-only for policies; keep "
+                             "per-request state on the policy itself, keyed by request_id")  # fmt: skip
+
+    def __repr__(self) -> str:
+        return f"RequestView({self.request_id!r})"
+
+    @property
+    def request(self) -> Request:
+        """vLLM's request: the adapter's, never a policy's (like the underscored attributes of cbcore's views)."""
+        return self._request
 
     @property
     def view(self) -> RequestView:
         """What cbcore's door hands a policy: this view itself."""
         return self
 
-    def __repr__(self) -> str:
-        return f"RequestView({self.request_id!r})"
+    @property
+    def num_cached_prompt_tokens(self) -> int:
+        """Tokens vLLM's prefix cache held at admission (0 while waiting: vLLM looks up only when admitting)."""
+        return self._cached
 
     @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    @property
-    def priority(self) -> int:
-        return self.request.priority
+    def output_token_ids(self) -> tuple[int, ...]:
+        return tuple(self._request.output_token_ids)
 
     @property
     def deadline(self) -> float | None:
         return None if self.deadline_s is None else self.arrival_time + self.deadline_s
 
     @property
-    def num_prompt_tokens(self) -> int:
-        return self.request.num_prompt_tokens
-
-    @property
     def num_tokens(self) -> int:
-        return self.request.num_tokens
+        return self._request.num_tokens
 
     @property
     def num_output_tokens(self) -> int:
-        return self.request.num_output_tokens
+        return self._request.num_output_tokens
 
     @property
     def num_computed_tokens(self) -> int:
-        return self.request.num_computed_tokens
+        return self._request.num_computed_tokens
 
     @property
     def num_pending_tokens(self) -> int:
-        return self.request.num_tokens - self.request.num_computed_tokens
+        request = self._request  # async: the token the step in flight samples is a placeholder, still to feed
+        return request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
 
     @property
     def is_prefilling(self) -> bool:
@@ -141,26 +142,30 @@ class RequestView:
 
     @property
     def num_preemptions(self) -> int:
-        return self.request.num_preemptions
+        return self._request.num_preemptions
 
     @property
-    def block_table(self) -> list[int]:
-        # Read without get_block_ids(): its defaultdict would create an entry for a waiting request.
-        blocks = self._kv.coordinator.single_type_managers[0].req_to_blocks.get(self.request.request_id, ())
-        return [b.block_id for b in blocks]
+    def block_table(self) -> tuple[int, ...]:
+        return tuple(self._blocks())
 
 
 class KVCacheView:
     """vLLM's KV cache manager as cbcore's ``KVView`` (its null block is not counted)."""
 
-    def __init__(self, kv: KVCacheManager, block_size: int) -> None:
-        self._kv = kv
-        self.block_size = block_size
-        self.num_blocks = kv.block_pool.num_gpu_blocks - 1
+    __slots__ = ("_free", "block_size", "num_blocks")
+
+    def __init__(self, kv: KVCacheManager, block_size: int, internals: V0_32) -> None:
+        put = object.__setattr__
+        put(self, "_free", partial(internals.num_free_blocks, kv))
+        put(self, "block_size", block_size)
+        put(self, "num_blocks", internals.num_usable_blocks(kv))
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"a policy cannot set {name!r}: the KV cache is read-only for policies")
 
     @property
     def num_free_blocks(self) -> int:
-        return self._kv.block_pool.get_num_free_blocks()
+        return self._free()
 
     @property
     def num_used_blocks(self) -> int:

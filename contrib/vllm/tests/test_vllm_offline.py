@@ -14,15 +14,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_helpers import (  # noqa: F401  (tiny_dir is a fixture)
-    PLUGIN,
-    Started,
-    driver_results,
-    start_driver,
-    start_servers_early,
-    tiny_dir,
+from cbcore_vllm.check.compare import compare
+from cbcore_vllm.check.differences import applicable, load
+from cbcore_vllm.check.trace import Trace
+from vllm_helpers import PLUGIN, STARTED_EARLY, Started, driver_results
+from vllm_trace import (
+    EQUIVALENCE,
+    LIMITS,
+    VICTIM_RULES,
+    admission_requests,
+    preemption_requests,
+    run_cbcore,
+    trace,
+    victim_config,
 )
-from vllm_trace import run_cbcore, trace
 
 # Every test here starts vLLM (from .venv-vllm, `make vllm-setup`); they run in CI.
 pytestmark = pytest.mark.vllm
@@ -31,16 +36,6 @@ BLOCK = 32
 ROOMY = {"num_gpu_blocks_override": 201}  # vLLM keeps one null block: 200 usable, as cbcore's num_blocks
 TIGHT_BLOCKS = 4
 
-EQUIVALENCE: dict[str, dict[str, Any]] = {
-    "fcfs": {"queue": {"name": "fcfs"}},
-    "priority-aging": {"queue": {"name": "priority", "aging_s": 0.5, "preempt_running": False}},
-    "vtc": {"queue": {"name": "vtc"}},
-    "sjf": {"queue": {"name": "sjf", "aging_s": 0.5}},
-    "edf": {"queue": {"name": "edf"}},  # contrib edf (cbcore-edf), installed in both venvs
-    # static's waves reach vLLM through may_admit (the queue hides the requests it refuses)
-    "fcfs-static": {"queue": {"name": "fcfs"}, "budget": {"name": "static", "max_num_seqs": 2, "max_num_batched_tokens": 64}},
-}
-LIMITS = {"name": "token-budget", "max_num_seqs": 2, "max_num_batched_tokens": 64}
 
 
 def engine(max_num_seqs: int, max_tokens: int, **extra: Any) -> dict[str, Any]:
@@ -52,16 +47,6 @@ def engine(max_num_seqs: int, max_tokens: int, **extra: Any) -> dict[str, Any]:
         **ROOMY,
         **extra,
     }
-
-
-def admission_requests() -> list[dict[str, Any]]:
-    # X holds the only slot; A, B, C arrive together, shortest prompt first.
-    return [
-        {"id": "X", "prompt": [1, 7, 7, 7], "max_tokens": 3, "arrive": 0},
-        {"id": "A", "prompt": [1, 8, 9], "max_tokens": 2, "arrive": 1},
-        {"id": "B", "prompt": [1, 11, 12, 13, 14], "max_tokens": 2, "arrive": 1},
-        {"id": "C", "prompt": [1, 21, 22, 23, 24, 25, 26, 27], "max_tokens": 2, "arrive": 1},
-    ]
 
 
 # A config vLLM cannot start with, and what its error must say (cbcore's words: key path, suggestion).
@@ -94,11 +79,6 @@ def refused_requests() -> list[dict[str, Any]]:
     reqs[1]["xargs"] = {"deadline_s": -1}
     reqs[2]["xargs"] = {"attrs": "{not json"}
     return reqs
-
-
-def preemption_requests() -> list[dict[str, Any]]:
-    rows = [("P1", 30, 40, 2, "c", 9.0, 0), ("P2", 20, 40, 0, "c", 9.0, 0), ("P3", 26, 40, 1, "c", 9.0, 0)]
-    return trace(rows)
 
 
 def scenarios(model: Path, log_dir: Path) -> list[dict[str, Any]]:
@@ -147,6 +127,7 @@ def scenarios(model: Path, log_dir: Path) -> list[dict[str, Any]]:
             "requests": [
                 {"id": "X", "prompt": [1, 7, 7, 7], "max_tokens": 3, "arrive": 0},
                 {"id": "A", "prompt": [1, 8, 9, 10, 11], "max_tokens": 2, "arrive": 1},
+                {"id": "B", "prompt": [1, 12, 13], "max_tokens": 2, "arrive": 6},  # after A's failure
             ],
         },
         {
@@ -205,19 +186,6 @@ def scenarios(model: Path, log_dir: Path) -> list[dict[str, Any]]:
     return out
 
 
-VICTIM_RULES = ("newest", "lowest-priority", "least-progress")
-
-
-def victim_config(rule: str) -> dict[str, Any]:
-    return {
-        "scheduler": {
-            "queue": {"name": "priority", "preempt_running": False},
-            "budget": {"name": "token-budget", "max_num_seqs": 3, "max_num_batched_tokens": 128},
-            "preemption": {"name": "recompute", "victim": rule},
-        }
-    }
-
-
 def preemption_config(log: Path) -> dict[str, Any]:
     return {
         "plugins": [PLUGIN],
@@ -229,37 +197,18 @@ def preemption_config(log: Path) -> dict[str, Any]:
     }
 
 
-_DRIVER: dict[str, Any] = {}  # the session's one driver, and its directory
-
-
-def started_driver(
-    tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
-) -> tuple[Started, Path]:
-    """The driver of every scenario, started on the first call (with the servers, if their tests are selected)."""
-    if not _DRIVER:
-        work = tmp_path_factory.mktemp("vllm-offline")
-        driver = start_driver(scenarios(tiny_dir, work), work)
-        request.session.addfinalizer(lambda: driver.proc.poll() is None and driver.proc.kill())  # a run cut short
-        _DRIVER.update(driver=driver, work=work)
-        start_servers_early(request)  # the servers' start-ups share the cores with the driver's
-    return _DRIVER["driver"], _DRIVER["work"]
-
-
-@pytest.mark.starts_early
-def test_vllm_starts_in_the_background_while_the_suite_runs(
-    tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
-) -> None:
-    """Runs first (tests/conftest.py): vLLM's start-ups, over a minute of one core's work, then overlap the rest
-    of the suite, which mostly runs on one thread, and the tests below read the results when their turn comes."""
-    driver, _ = started_driver(tiny_dir, tmp_path_factory, request)
-    assert driver.proc.poll() in (None, 0), driver.log_tail()
+def test_the_driver_starts_with_the_session_and_runs_every_scenario(vllm_driver: tuple[Started, Path], runs: Any) -> None:
+    """vllm_driver is started at the session's first test (vllm_helpers.vllm_starts_early), so that vLLM's
+    start-up, over a minute of one core's work, overlaps the rest of the suite; the tests below read its results."""
+    driver, work = vllm_driver
+    assert "vllm_driver" in STARTED_EARLY
+    assert driver.proc.returncode == 0, driver.log_tail()
+    assert sorted(runs[0]) == sorted(s["name"] for s in scenarios(Path("model"), work))
 
 
 @pytest.fixture(scope="module")
-def runs(
-    tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
-) -> tuple[dict[str, dict[str, Any]], Path]:
-    driver, work = started_driver(tiny_dir, tmp_path_factory, request)
+def runs(vllm_driver: tuple[Started, Path]) -> tuple[dict[str, Trace], Path]:
+    driver, work = vllm_driver
     return driver_results(driver, work), work
 
 
@@ -267,12 +216,20 @@ def events(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def ids(pairs: list[tuple[int, str]]) -> list[str]:
+    return [rid for _, rid in pairs]
+
+
+def step(trace: Trace, k: int) -> dict[str, int]:
+    return next((s.scheduled for s in trace.steps if s.k == k), {})
+
+
 def test_file_plugin_queue_decides_admission_order(runs: Any) -> None:
     results, work = runs
     r = results["admission"]
-    assert r["error"] is None
+    assert r.error is None
     # Arrival order is X, A, B, C; the plugin serves the longest prompt first.
-    assert r["first_scheduled"] == ["X", "C", "B", "A"]
+    assert ids(r.first_scheduled()) == ["X", "C", "B", "A"]
     arrivals = [e for e in events(work / "admission.jsonl") if e["event"] == "arrival"]
     assert [e["id"].rsplit("-", 1)[0] for e in arrivals] == ["X", "A", "B", "C"]
     assert [e["arrival_time"] for e in arrivals] == pytest.approx([0.0, 0.1, 0.1, 0.1])
@@ -283,73 +240,78 @@ def test_file_plugin_queue_decides_admission_order(runs: Any) -> None:
 def test_preemption_plugin_chooses_the_victim(runs: Any, tiny_dir: Path, tmp_path: Path) -> None:
     results, work = runs
     r = results["preemption"]
-    assert r["error"] is None and r["preempted"], "the tight cache must force a preemption"
+    assert r.error is None and r.victims(), "the tight cache must force a preemption"
     victims = [e for e in events(work / "victims.jsonl") if e["event"] == "victim"]
     assert victims, "the policy was never asked"
     # vLLM's own fcfs rule would evict running[-1] (the last candidate); the plugin picks the longest prompt.
     first = victims[0]
     assert first["id"].rsplit("-", 1)[0] == "P3" and first["candidates"][-1].rsplit("-", 1)[0] == "P2"
-    assert [v for _, v in r["preempted"]] == [e["id"].rsplit("-", 1)[0] for e in victims]
+    assert ids(r.victims()) == [e["id"].rsplit("-", 1)[0] for e in victims]
     config = preemption_config(tmp_path / "cbcore-victims.jsonl")
     config["kv_cache"] = {"block_size": BLOCK, "num_blocks": TIGHT_BLOCKS}
     ref = run_cbcore(tiny_dir, config, preemption_requests())
-    assert [v for _, v in r["preempted"]] == [v for _, v in ref["preempted"]]
-    assert r["first_scheduled"] == ref["first_scheduled"]
-    assert sorted(r["tokens"]) == ["P1", "P2", "P3"] and all(len(t) == 40 for t in r["tokens"].values())
+    assert ids(r.victims()) == ids(ref.victims())
+    assert ids(r.first_scheduled()) == ids(ref.first_scheduled())
+    assert r.output_lengths == {"P1": 40, "P2": 40, "P3": 40}
 
 
 @pytest.mark.parametrize("rule", VICTIM_RULES)
 def test_builtin_victims_match_cbcore_under_a_tight_cache(runs: Any, tiny_dir: Path, rule: str) -> None:
     results, _ = runs
     r = results[f"victim-{rule}"]
-    assert r["error"] is None and r["preempted"], "the tight cache must force a preemption"
+    assert r.error is None and r.victims(), "the tight cache must force a preemption"
     config = victim_config(rule) | {"kv_cache": {"block_size": BLOCK, "num_blocks": TIGHT_BLOCKS}}
     ref = run_cbcore(tiny_dir, config, preemption_requests())
-    victims = [v for _, v in r["preempted"]]
-    assert victims == [v for _, v in ref["preempted"]]
+    victims = ids(r.victims())
+    assert victims == ids(ref.victims())
     # P1 has the lowest priority (the largest value); P3 is the newest (ties: id) and the least advanced.
     assert victims == (["P1", "P3"] if rule == "lowest-priority" else ["P3", "P1"])
-    assert r["first_scheduled"] == ref["first_scheduled"]
-    step = r["preempted"][0][0]
-    assert ref["preempted"][0][0] == step
+    assert ids(r.first_scheduled()) == ids(ref.first_scheduled())
+    k = r.victims()[0][0]
+    assert ref.victims()[0][0] == k
     if rule == "lowest-priority":  # P3 asks for a block and P1 is evicted: the same steps throughout
-        assert r["preempted"] == ref["preempted"]
-        assert r["scheduled"][:step] == ref["scheduled"][:step]
+        assert r.victims() == ref.victims()
+        assert [step(r, i) for i in range(k + 1)] == [step(ref, i) for i in range(k + 1)]
     else:
-        # P3 asks and is its own victim. Documented difference: vLLM 0.32.0 then ends its running
-        # loop, so P1 (after P3 in running order) waits a step; cbcore goes on and decodes P1.
-        assert r["scheduled"][step - 1] == {"P2": 1}
-        assert ref["scheduled"][step - 1] == {"P2": 1, "P1": 1}
-        assert r["preempted"][1][0] == ref["preempted"][1][0] + 1
+        # P3 asks and is its own victim. Documented difference (self-victim-ends-loop): vLLM 0.32.0 then
+        # ends its running loop, so P1 (after P3 in running order) waits a step; cbcore goes on and decodes P1.
+        assert step(r, k) == {"P2": 1}
+        assert step(ref, k) == {"P2": 1, "P1": 1}
+        assert r.victims()[1][0] == ref.victims()[1][0] + 1
+        report = compare(ref, r, applicable(load(), "0.32.0", "sync"))
+        steps = next(a for a in report.aspects if a.name == "steps")
+        assert steps.explanation is not None and steps.explanation.difference.id == "self-victim-ends-loop"
+        assert not report.unexplained
 
 
 @pytest.mark.parametrize("policy", sorted(EQUIVALENCE))
 def test_first_scheduled_order_matches_cbcore(runs: Any, tiny_dir: Path, policy: str) -> None:
     results, _ = runs
     r = results[policy]
-    assert r["error"] is None
+    assert r.error is None
     config = {
         "plugins": [PLUGIN],
         "scheduler": {"budget": LIMITS, **EQUIVALENCE[policy]},
         "kv_cache": {"block_size": BLOCK, "num_blocks": ROOMY["num_gpu_blocks_override"] - 1},
     }
     ref = run_cbcore(tiny_dir, config, trace())
-    assert r["first_scheduled"] == ref["first_scheduled"]
-    assert r["preempted"] == ref["preempted"] == []
-    assert {k: len(v) for k, v in r["tokens"].items()} == {k: len(v) for k, v in ref["tokens"].items()}
+    assert ids(r.first_scheduled()) == ids(ref.first_scheduled())
+    assert r.victims() == ref.victims() == []
+    assert r.output_lengths == ref.output_lengths
+    assert not compare(ref, r, applicable(load(), "0.32.0", "sync")).unexplained
 
 
 def test_policies_disagree_on_the_trace(runs: Any) -> None:
     """The trace must tell the policies apart, or the equivalence above proves little."""
     results, _ = runs
-    orders = {tuple(results[p]["first_scheduled"]) for p in EQUIVALENCE}
+    orders = {tuple(ids(results[p].first_scheduled())) for p in EQUIVALENCE}
     assert len(orders) >= 4, orders
 
 
 def test_misbehaving_plugin_gets_cbcore_named_error(runs: Any) -> None:
     results, _ = runs
-    err = results["garbage-order"]["error"]
-    assert err is not None and "PolicyError" in err  # a SchedulerError naming the policy
+    err = results["garbage-order"].error
+    assert err is not None and "PolicyError" in err  # about no single request: vLLM's engine stops, named
     assert "queue policy 'garbage-order' (path " in err
     assert "broke the rule 'order() returns each given sequence exactly once'" in err
 
@@ -358,52 +320,56 @@ def test_chunk_of_a_prefill_alone_differs_as_documented(runs: Any, tiny_dir: Pat
     """docs/vllm.md: vLLM caps a prefill at long_prefill_token_threshold only when it is not alone."""
     results, _ = runs
     r = results["chunk-alone"]
-    assert r["error"] is None
+    assert r.error is None
     config = {"scheduler": {"budget": LIMITS, "prefill": CHUNK8}, "kv_cache": {"block_size": BLOCK, "num_blocks": 200}}
     ref = run_cbcore(tiny_dir, config, chunk_requests())
-    vllm_steps = [s for s in r["scheduled"] if s]
-    assert vllm_steps[0] == {"L": 30}  # alone: the whole budget
-    assert ref["scheduled"][0] == {"L": 8}  # cbcore: chunk_size regardless
+    assert r.steps[0].scheduled == {"L": 30}  # alone: the whole budget
+    assert ref.steps[0].scheduled == {"L": 8}  # cbcore: chunk_size regardless
     together = {"M": 8, "N": 8}  # with company both engines chunk at chunk_size
-    assert together in vllm_steps and together in ref["scheduled"]
-    assert r["first_scheduled"] == ref["first_scheduled"] == ["L", "M", "N"]
+    assert together in [s.scheduled for s in r.steps] and together in [s.scheduled for s in ref.steps]
+    assert ids(r.first_scheduled()) == ids(ref.first_scheduled()) == ["L", "M", "N"]
+    report = compare(ref, r, applicable(load(), "0.32.0", "sync"))
+    steps = next(a for a in report.aspects if a.name == "steps")
+    assert steps.k == 0 and steps.explanation is not None and steps.explanation.difference.id == "prefill-alone"
 
 
 def test_whole_prompt_needs_a_budget_for_the_longest_prompt(runs: Any) -> None:
     results, _ = runs
-    err = results["whole-prompt-refused"]["error"]
+    err = results["whole-prompt-refused"].error
     assert err is not None and "prefill policy 'whole-prompt' (built-in)" in err
     assert "--max-num-batched-tokens >= --max-model-len (64 < 256)" in err
 
 
 def test_swap_preemption_is_refused_at_start(runs: Any) -> None:
     results, _ = runs
-    err = results["swap-refused"]["error"]
+    err = results["swap-refused"].error
     assert err is not None and "preemption policy 'swap' (built-in)" in err and "recompute only" in err
 
 
 def test_bad_request_fields_refuse_that_request_alone(runs: Any) -> None:
     results, work = runs
     r = results["refusals"]
-    assert r["error"] is None
-    assert r["finish"] == {"X": "length", "A": "error", "B": "error", "C": "length"}
-    assert r["first_scheduled"] == ["X", "C"]
+    assert r.error is None
+    assert r.finish == {"X": "length", "A": "error", "B": "error", "C": "length"}
+    assert ids(r.first_scheduled()) == ["X", "C"]
     log = (work / "driver.log").read_text()
     assert "vllm_xargs: deadline_s must be finite and > 0, got -1" in log
     assert "attrs must be a JSON object (or its JSON text)" in log
 
 
-def test_plugin_raising_gets_cbcore_named_error(runs: Any) -> None:
-    results, _ = runs
-    err = results["raising-key"]["error"]
-    assert err is not None and err.startswith("PolicyError: queue policy 'raise-on-five' (path ")
-    # The request key() was looking at, as cbcore's engine names it: A, the five-token prompt (vLLM suffixes ids).
-    assert re.search(r"raised in key\(\) for request 'A-[0-9a-f]+': ZeroDivisionError: division by zero", err), err
+def test_a_plugin_raising_about_one_request_ends_it_alone_and_vllm_serves_on(runs: Any) -> None:
+    results, work = runs
+    r = results["raising-key"]
+    assert r.error is None  # vLLM's engine lives on
+    assert r.finish == {"X": "length", "A": "error", "B": "length"}
+    # The log names the request key() was looking at, as cbcore's engine does: A, the five-token prompt.
+    log = (work / "driver.log").read_text()
+    assert re.search(r"raised in key\(\) for request 'A-[0-9a-f]+': ZeroDivisionError: division by zero", log)
 
 
 def test_queue_preempting_running_requests_is_refused_at_start(runs: Any) -> None:
     results, _ = runs
-    err = results["priority-default-refused"]["error"]
+    err = results["priority-default-refused"].error
     assert err is not None and err.startswith("RefusedPolicy: queue policy 'priority' (built-in): preemptive admission")
     assert "never to admit a waiting one; set preempt_running: false" in err
 
@@ -411,5 +377,5 @@ def test_queue_preempting_running_requests_is_refused_at_start(runs: Any) -> Non
 @pytest.mark.parametrize("name", sorted(CONFIG_ERRORS))
 def test_config_errors_name_the_key_and_the_reason(runs: Any, name: str) -> None:
     results, _ = runs
-    err = results[name]["error"]
+    err = results[name].error
     assert err is not None and CONFIG_ERRORS[name][1] in err, err

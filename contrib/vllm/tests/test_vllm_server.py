@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 from vllm_helpers import SERVER_SCHED as SCHED
-from vllm_helpers import stop_servers, tiny_dir, vllm_servers, wait_healthy  # noqa: F401  (tiny_dir is a fixture)
+from vllm_helpers import STARTED_EARLY, stop_servers, wait_healthy
 
 # Every test here starts vLLM (from .venv-vllm, `make vllm-setup`); they run in CI.
 pytestmark = pytest.mark.vllm
@@ -33,9 +33,12 @@ def default_dir() -> Path:
 
 
 @pytest.fixture(scope="module")
-def adapter_servers(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
-    yield vllm_servers(request)  # started already if the offline tests ran first
-    stop_servers()
+def adapter_servers(vllm_servers: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """The session's two servers (started with the session, vllm_helpers.vllm_starts_early), stopped when
+    this module is done, so that they hold no memory while the rest of the suite runs."""
+    assert "vllm_servers" in STARTED_EARLY
+    yield vllm_servers
+    stop_servers(vllm_servers)
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +59,34 @@ def complete(port: int, **body: Any) -> dict[str, Any]:
     )
     with urllib.request.urlopen(req, timeout=300) as r:
         return json.loads(r.read())
+
+
+def post(port: int, **body: Any) -> tuple[int, dict[str, Any]]:
+    """(HTTP status, JSON body), errors included."""
+    import urllib.error
+
+    try:
+        return 200, complete(port, **body)
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_bad_vllm_xargs_get_a_400_naming_the_field_and_the_others_are_served(server: dict[str, Any]) -> None:
+    """docs/vllm.md, "Per-request fields": cbcore_vllm.RequestCheck answers before vLLM's engine sees it."""
+    bad = {"deadline_s": -1}, {"attrs": "{not json"}, {"client_id": ""}
+    with ThreadPoolExecutor(len(bad) + 2) as pool:
+        refused = [pool.submit(post, server["port"], prompt="Hello", max_tokens=4, vllm_xargs=x) for x in bad]
+        served = [pool.submit(post, server["port"], prompt=p, max_tokens=4) for p in PROMPTS[:2]]
+        answers = [f.result() for f in refused], [f.result() for f in served]
+    for status, body in answers[0]:
+        assert status == 400 and body["error"]["type"] == "BadRequestError" and body["error"]["param"] == "vllm_xargs"
+    messages = [body["error"]["message"] for _, body in answers[0]]
+    assert messages[0] == "vllm_xargs: deadline_s must be finite and > 0, got -1"
+    assert messages[1].startswith("vllm_xargs: attrs must be a JSON object (or its JSON text), got unparsable text")
+    assert messages[2].startswith("vllm_xargs: client_id")
+    assert [(status, body["choices"][0]["finish_reason"]) for status, body in answers[1]] == [(200, "length")] * 2
+    # vLLM's engine lives on: the next request is served.
+    assert post(server["port"], prompt="Once more", max_tokens=2)[0] == 200
 
 
 def test_greedy_tokens_equal_cbcore_engine(server: dict[str, Any], default_dir: Path) -> None:

@@ -1,11 +1,20 @@
-"""Helpers for the adapter tests: vLLM runs from its own venv (.venv-vllm) in a subprocess.
+"""Helpers and session fixtures for the adapter tests: vLLM runs from its own venv (.venv-vllm) in a subprocess.
 
 vLLM pins torch and transformers differently from cbcore, so these tests run in
 cbcore's venv (for cbcore's engine, the reference side) and start vLLM from
 ``.venv-vllm`` (``make vllm-setup``). Start-ups are the cost here (about 20 s
 to import vLLM, a few seconds per engine on the tiny model, more on the default
 model), so every offline scenario runs in one driver process, one server
-serves all the HTTP checks, and the processes start together (:class:`Started`).
+serves all the HTTP checks, and the processes start together.
+
+This module is a pytest plugin of the whole session (the repository's root
+``conftest.py`` names it), so its fixtures are the same objects for every
+test: ``vllm_driver`` and ``vllm_servers`` start their processes in the
+background and return at once with handles that wait when a test reads them,
+and ``vllm_starts_early`` requests them at the session's first test when a
+selected test uses them. vLLM's tests are collected last (``contrib/`` after
+``tests/``); this way its start-ups, over a minute of one core's work, overlap
+the rest of the suite, which mostly runs on one thread.
 """
 
 from __future__ import annotations
@@ -15,16 +24,18 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from cbcore_vllm.check.model import tiny_llama
+from cbcore_vllm.check.trace import Trace
 
 ROOT = Path(__file__).resolve().parents[3]
 VLLM_PY = Path(os.environ.get("CBCORE_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
 HERE = Path(__file__).resolve().parent
 PLUGIN = str(HERE / "plugins" / "recorder.py")
-DRIVER = str(HERE / "vllm_driver.py")
 
 
 def vllm_python() -> Path:
@@ -83,17 +94,20 @@ class Started:
 
 
 def start_driver(scenarios: list[dict[str, Any]], workdir: Path) -> Started:
+    """Every scenario through vLLM's offline engine, in one process (``python -m cbcore_vllm.check.batch``)."""
     spec = workdir / "spec.json"
-    spec.write_text(json.dumps({"scenarios": scenarios}))
-    return Started([str(vllm_python()), DRIVER, str(spec), str(workdir / "out.json")], vllm_env(), workdir / "driver.log")
+    spec.write_text(json.dumps({"runs": scenarios}))
+    cmd = [str(vllm_python()), "-m", "cbcore_vllm.check.batch", str(spec), str(workdir / "out.json")]
+    return Started(cmd, vllm_env(), workdir / "driver.log")
 
 
-def driver_results(driver: Started, workdir: Path, timeout_s: float = 1200) -> dict[str, dict[str, Any]]:
+def driver_results(driver: Started, workdir: Path, timeout_s: float = 1200) -> dict[str, Trace]:
+    """Each scenario's trace (``error`` set where vLLM or the adapter refused it)."""
     driver.wait(timeout_s)
     out = workdir / "out.json"
     if driver.proc.returncode != 0 or not out.exists():
         raise AssertionError(f"vLLM driver failed (rc {driver.proc.returncode}):\n{driver.log_tail()}")
-    results = {r["name"]: r for r in json.loads(out.read_text())["results"]}
+    results = {r["name"]: Trace.from_json(r["trace"]) for r in json.loads(out.read_text())["results"]}
     sys.stderr.write(f"vLLM driver: {time.monotonic() - driver.t0:.1f} s for {len(results)} engines\n")
     return results
 
@@ -120,7 +134,8 @@ def server_command(model: Path, port: int, cbcore: dict[str, Any], *extra: str) 
         str(port),
         "--scheduler-cls",
         "cbcore_vllm.Scheduler",
-        "--no-async-scheduling",
+        "--middleware",
+        "cbcore_vllm.RequestCheck",
         "--additional-config",
         json.dumps({"cbcore": cbcore}),
         "--enforce-eager",
@@ -175,19 +190,50 @@ SERVER_SCHED = {
 }
 
 
-_SERVERS: dict[str, Any] = {}
+#: Session fixtures that start vLLM processes in the background, requested early by ``vllm_starts_early``.
+STARTS_EARLY = ("vllm_driver", "vllm_servers")
+#: Those it started (a test checks that the driver was among them).
+STARTED_EARLY: list[str] = []
 
 
-def vllm_servers(request: pytest.FixtureRequest) -> dict[str, Any]:
-    """Both servers of test_vllm_server.py, started at once on the first call: one on the default model with
-    the recorder plugin's queue (``events`` is its log), and one on the tiny model naming an unknown plugin,
-    which must exit. :func:`stop_servers` stops them when that module ends, else when the session does.
-    (Not a fixture: a fixture imported into two modules is two fixtures, and would start two of each.)"""
+@pytest.fixture(scope="session", autouse=True)
+def vllm_starts_early(request: pytest.FixtureRequest) -> None:
+    """At the session's first test: start each fixture of :data:`STARTS_EARLY` that a selected test uses.
+
+    A start that fails here is left to the tests that use the fixture: pytest keeps the error and reports it
+    on each of them, not on whichever unrelated test happens to run first."""
+    used = {name for item in request.session.items for name in item.fixturenames}
+    for name in STARTS_EARLY:
+        if name in used:
+            try:
+                request.getfixturevalue(name)
+            except (Exception, pytest.fail.Exception):
+                continue
+            STARTED_EARLY.append(name)
+
+
+@pytest.fixture(scope="session")
+def vllm_driver(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Started, Path]]:
+    """The driver of every offline scenario (``scenarios`` of test_vllm_offline.py), started now; and its
+    directory. :func:`driver_results` waits for it."""
+    from test_vllm_offline import scenarios  # the module whose tests read the results decides what runs
+
+    work = tmp_path_factory.mktemp("vllm-offline")
+    driver = start_driver(scenarios(tiny_dir, work), work)
+    yield driver, work
+    if driver.proc.poll() is None:  # a run cut short
+        driver.proc.kill()
+        driver.proc.wait()
+
+
+@pytest.fixture(scope="session")
+def vllm_servers(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """Both servers of test_vllm_server.py, started now: one on the default model with the recorder plugin's
+    queue (``events`` is its log), and one on the tiny model naming an unknown plugin, which must exit.
+    Stopped by :func:`stop_servers` when the tests that use them are done, else when the session ends."""
     from cbcore.models.default_model import default_model_dir
 
-    if _SERVERS:
-        return _SERVERS
-    work = request.getfixturevalue("tmp_path_factory").mktemp("vllm-servers")
+    work = tmp_path_factory.mktemp("vllm-servers")
     events, port = work / "events.jsonl", free_port()
     sched = {**SERVER_SCHED, "queue": {"name": "longest-prompt-first", "log": str(events)}}
     default = server_command(
@@ -195,51 +241,27 @@ def vllm_servers(request: pytest.FixtureRequest) -> dict[str, Any]:
         "--max-num-seqs", "4", "--max-num-batched-tokens", "256", "--served-model-name", "smollm",
     )  # fmt: skip
     unknown = server_command(
-        request.getfixturevalue("tiny_dir"), free_port(), {"scheduler": {"queue": {"name": "priorty"}}},
+        tiny_dir, free_port(), {"scheduler": {"queue": {"name": "priorty"}}},
         "--skip-tokenizer-init", "--max-num-batched-tokens", "256",
     )  # fmt: skip
-    started = {
+    servers: dict[str, Any] = {
+        "port": port,
+        "events": events,
         "default": Started(default, server_env(), work / "server.log"),
         "unknown-plugin": Started(unknown, server_env(), work / "unknown-plugin.log"),
     }
-    request.session.addfinalizer(stop_servers)  # if the tests that use them never get to stop them
-    _SERVERS.update(port=port, events=events, **started)
-    return _SERVERS
+    yield servers
+    stop_servers(servers)
 
 
-def stop_servers() -> None:
-    for started in _SERVERS.values():
-        if isinstance(started, Started):
+def stop_servers(servers: dict[str, Any]) -> None:
+    """Stop those of ``servers`` still running (again: a no-op)."""
+    for started in servers.values():
+        if isinstance(started, Started) and started.proc.poll() is None:
             stop_server(started.proc)
-    _SERVERS.clear()
-
-
-def start_servers_early(request: pytest.FixtureRequest) -> None:
-    """Start :func:`vllm_servers` now if a selected test will use them, so that their start-ups overlap what follows."""
-    if any("adapter_servers" in getattr(item, "fixturenames", ()) for item in request.session.items):
-        vllm_servers(request)
 
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama vLLM's CPU attention accepts (head size 64; its block size is a multiple of 32)."""
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    cfg = LlamaConfig(
-        vocab_size=512,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        initializer_range=0.2,
-    )
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny-llama")
-    AutoModelForCausalLM.from_config(cfg).to(torch.float32).save_pretrained(path)
-    return path
+    return tiny_llama(tmp_path_factory.mktemp("tiny-llama"))

@@ -1,10 +1,13 @@
-"""One deterministic multi-tenant trace and the cbcore-engine side of every comparison."""
+"""One deterministic multi-tenant trace, and the cbcore-engine side of every comparison (cbcore_vllm.check's)."""
 
 from __future__ import annotations
 
 import random
 from pathlib import Path
 from typing import Any
+
+from cbcore_vllm.check.cbcore_side import run_cbcore as cbcore_trace
+from cbcore_vllm.check.trace import Trace
 
 STEP_S = 0.1  # both engines' policy clock: 0.1 s per scheduler step
 
@@ -19,6 +22,19 @@ ROWS = [
     ("G", 10, 7, 1, "c3", 0.5, 6),
     ("H", 14, 3, 0, "c2", 6.0, 8),
 ]
+
+
+# Policies whose first-scheduled order on this trace must be cbcore's (with LIMITS, a roomy cache).
+EQUIVALENCE: dict[str, dict[str, Any]] = {
+    "fcfs": {"queue": {"name": "fcfs"}},
+    "priority-aging": {"queue": {"name": "priority", "aging_s": 0.5, "preempt_running": False}},
+    "vtc": {"queue": {"name": "vtc"}},
+    "sjf": {"queue": {"name": "sjf", "aging_s": 0.5}},
+    "edf": {"queue": {"name": "edf"}},  # contrib edf (cbcore-edf), installed in both venvs
+    # static's waves reach vLLM through may_admit (the queue hides the requests it refuses)
+    "fcfs-static": {"queue": {"name": "fcfs"}, "budget": {"name": "static", "max_num_seqs": 2, "max_num_batched_tokens": 64}},
+}
+LIMITS = {"name": "token-budget", "max_num_seqs": 2, "max_num_batched_tokens": 64}
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -40,46 +56,34 @@ def trace(rows: list[tuple[Any, ...]] = ROWS) -> list[dict[str, Any]]:
     ]
 
 
-def run_cbcore(model_dir: Path, config: dict[str, Any], requests: list[dict[str, Any]]) -> dict[str, Any]:
-    """The same trace through cbcore's engine, stepped the way the driver steps vLLM."""
-    import torch
-    from transformers import AutoModelForCausalLM
+def admission_requests() -> list[dict[str, Any]]:
+    # X holds the only slot; A, B, C arrive together, shortest prompt first.
+    return [
+        {"id": "X", "prompt": [1, 7, 7, 7], "max_tokens": 3, "arrive": 0},
+        {"id": "A", "prompt": [1, 8, 9], "max_tokens": 2, "arrive": 1},
+        {"id": "B", "prompt": [1, 11, 12, 13, 14], "max_tokens": 2, "arrive": 1},
+        {"id": "C", "prompt": [1, 21, 22, 23, 24, 25, 26, 27], "max_tokens": 2, "arrive": 1},
+    ]
 
-    from cbcore import Engine, EngineConfig, SamplingParams
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    ticks = [0]
-    engine = Engine(model, None, EngineConfig.model_validate(config), clock=lambda: ticks[0] * STEP_S)
-    first: list[str] = []
-    preempted: list[list[Any]] = []
-    scheduled: list[dict[str, int]] = []
+def preemption_requests() -> list[dict[str, Any]]:
+    rows = [("P1", 30, 40, 2, "c", 9.0, 0), ("P2", 20, 40, 0, "c", 9.0, 0), ("P3", 26, 40, 1, "c", 9.0, 0)]
+    return trace(rows)
 
-    def listen(record: Any) -> None:
-        for item in record.output.scheduled:
-            if item.seq.request_id not in first:
-                first.append(item.seq.request_id)
-        preempted.extend([ticks[0], s.request_id] for s in record.output.preempted)
-        scheduled.append({item.seq.request_id: item.num_tokens for item in record.output.scheduled})
 
-    engine.step_listeners.append(listen)
-    pending = sorted(requests, key=lambda r: r.get("arrive", 0))
-    tokens: dict[str, list[int]] = {}
-    for k in range(5000):
-        while pending and pending[0].get("arrive", 0) <= k:
-            r = pending.pop(0)
-            xargs = r.get("xargs") or {}
-            engine.add_request(
-                r["prompt"],
-                SamplingParams(max_new_tokens=r["max_tokens"], ignore_eos=True),
-                request_id=r["id"],
-                priority=r.get("priority", 0),
-                client_id=xargs.get("client_id", "default"),
-                deadline_s=xargs.get("deadline_s"),
-            )
-        ticks[0] += 1
-        for out in engine.step():
-            if out.finished:
-                tokens[out.request_id] = list(out.output_token_ids)
-        if not pending and not engine.has_unfinished():
-            break
-    return {"first_scheduled": first, "preempted": preempted, "scheduled": scheduled, "tokens": tokens}
+VICTIM_RULES = ("newest", "lowest-priority", "least-progress")
+
+
+def victim_config(rule: str) -> dict[str, Any]:
+    return {
+        "scheduler": {
+            "queue": {"name": "priority", "preempt_running": False},
+            "budget": {"name": "token-budget", "max_num_seqs": 3, "max_num_batched_tokens": 128},
+            "preemption": {"name": "recompute", "victim": rule},
+        }
+    }
+
+
+def run_cbcore(model_dir: Path, config: dict[str, Any], requests: list[dict[str, Any]]) -> Trace:
+    """The same trace through cbcore's engine, stepped as the vLLM side is (the decision check's own runner)."""
+    return cbcore_trace(model_dir, config, requests, STEP_S)

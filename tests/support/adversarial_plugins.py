@@ -1,17 +1,31 @@
 """Plugins that misbehave on cue, for the adversarial property test (loaded by file path).
 
 Each reads ``self.faults`` (a :class:`Faults`, set by the test after the
-engine is built) and misbehaves once, at the step and in the way it says.
+engine is built) and misbehaves once, at the step and in the way it says:
+an answer against a rule, an exception of any kind (``RAISED``), writes to
+everything it was handed (``write``: each is tried, the ones that got
+through are kept in ``Faults.leaks``, then the first refusal is raised), or
+a sleep (``sleep``: ``Faults.sleep_s``).
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from cbcore.policies import FCFS, ChunkedPrefill, Recompute, Swap, TokenBudget
 from cbcore.policies.preemption import SwapParams
 from cbcore.scheduling.scheduler import ScheduledSeq, SchedulerOutput, SchedulerPlugin
 from cbcore.scheduling.sequence import SequenceStatus
+from cbcore.testing.writes import try_writes
+
+RAISED = {
+    "raise": RuntimeError,
+    "exit": SystemExit,
+    "interrupt": KeyboardInterrupt,
+    "generator_exit": GeneratorExit,
+    "memory": MemoryError,
+}
 
 
 class Faults:
@@ -22,6 +36,8 @@ class Faults:
         self.step = 0
         self.fired = False
         self.enabled = True
+        self.leaks: list[str] = []  # writes that got through (kind "write")
+        self.sleep_s = 0.0
 
     def fire(self, target: str) -> str | None:
         if self.enabled and not self.fired and target == self.target and self.step >= self.at:
@@ -30,9 +46,19 @@ class Faults:
         return None
 
 
-def _fire(policy, target):
+def _fire(policy, target, *handed):
+    """The fault due now at ``target`` (None: none); raising, writing to ``handed`` and sleeping are done here."""
     plan = getattr(policy, "faults", None)
-    return plan.fire(target) if plan is not None else None
+    kind = plan.fire(target) if plan is not None else None
+    if kind in RAISED:
+        raise RAISED[kind](f"{target} failed")
+    if kind == "write":
+        attempts = [a for i, obj in enumerate(handed) for a in try_writes(obj, f"{target}:{i}", depth=4)]
+        plan.leaks += [what for what, refused in attempts if refused is None]
+        raise next(refused for _, refused in attempts if refused is not None)
+    if kind == "sleep":
+        time.sleep(plan.sleep_s)
+    return kind
 
 
 class FaultyQueue(FCFS):
@@ -44,28 +70,23 @@ class FaultyQueue(FCFS):
 
     def order(self, seqs, now):
         ordered = super().order(seqs, now)
-        kind = _fire(self, "order")
+        kind = _fire(self, "order", *seqs)
         if kind == "duplicate" and ordered:
             return ordered + ordered[:1]
         if kind == "drop" and ordered:
             return ordered[1:]
         if kind == "wrong_type":
             return "not a list"
-        if kind == "raise":
-            raise RuntimeError("order failed")
         return ordered
 
     def on_arrival(self, seq, now):
-        if _fire(self, "on_arrival"):
-            raise RuntimeError("on_arrival failed")
+        _fire(self, "on_arrival", seq)
 
     def on_step_end(self, results, now):
-        if _fire(self, "on_step_end"):
-            raise RuntimeError("on_step_end failed")
+        _fire(self, "on_step_end", *results)  # the results, not their list: that is shared (see the test)
 
     def on_finish(self, seq, now):
-        if _fire(self, "on_finish"):
-            raise RuntimeError("on_finish failed")
+        _fire(self, "on_finish", seq)
 
 
 
@@ -73,18 +94,15 @@ class FaultyBudget(TokenBudget):
     name = "faulty-budget"
 
     def limits(self, state):
-        kind = _fire(self, "limits")
+        kind = _fire(self, "limits", state)
         if kind == "zero":
             return type(super().limits(state))(0, 0)
         if kind == "wrong_type":
             return (4, 16)
-        if kind == "raise":
-            raise RuntimeError("limits failed")
         return super().limits(state)
 
     def may_admit(self, seq, state):
-        if _fire(self, "may_admit"):
-            raise RuntimeError("may_admit failed")
+        _fire(self, "may_admit", seq, state)
         return True
 
 
@@ -92,7 +110,7 @@ class FaultyPrefill(ChunkedPrefill):
     name = "faulty-prefill"
 
     def num_tokens(self, seq, tokens_left, scheduled):
-        kind = _fire(self, "num_tokens")
+        kind = _fire(self, "num_tokens", seq, *scheduled)
         n = super().num_tokens(seq, tokens_left, scheduled)
         if kind == "overrun":
             return seq.num_pending_tokens + tokens_left
@@ -100,8 +118,6 @@ class FaultyPrefill(ChunkedPrefill):
             return -1
         if kind == "float":
             return float(n)
-        if kind == "raise":
-            raise RuntimeError("num_tokens failed")
         return n
 
 
@@ -109,11 +125,9 @@ class FaultyPreemption(Recompute):
     name = "faulty-preemption"
 
     def choose_victim(self, candidates, queue, now):
-        kind = _fire(self, "choose_victim")
+        kind = _fire(self, "choose_victim", *candidates)
         if kind == "stranger":
             return object()
-        if kind == "raise":
-            raise RuntimeError("choose_victim failed")
         return super().choose_victim(candidates, queue, now)
 
 
@@ -145,13 +159,9 @@ class FaultyFifo(SchedulerPlugin):
 
         return restore
 
-    def has_unfinished(self):
-        return bool(self.waiting or self.running)
 
     def schedule(self):
         kind = _fire(self, "schedule")
-        if kind == "raise":
-            raise RuntimeError("schedule failed")
         if kind == "wrong_type":
             return None
         if kind == "empty":
