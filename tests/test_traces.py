@@ -1,6 +1,6 @@
 """Production traces as workloads: formats, windows, rates, the length rule, synthetic prompts, prefix sharing.
 
-The excerpts in tests/data are unchanged lines of the Azure and Mooncake traces
+The excerpts in tests/data are unchanged lines of the Azure, Mooncake and Vidur traces
 (tests/data/README-traces.md), so every expectation here is read from the same
 lines by the test itself.
 """
@@ -28,6 +28,8 @@ from cbcore.testing.tiny_models import EOS, VOCAB
 DATA = Path(__file__).parent / "data"
 AZURE = DATA / "azure-conv-2023-excerpt.csv"
 MOONCAKE = DATA / "mooncake-conversation-excerpt.jsonl"
+VIDUR_CONV = DATA / "vidur-splitwise-conv-excerpt.csv"
+VIDUR_ARXIV = DATA / "vidur-arxiv-summarization-excerpt.csv"
 SPECIAL = (0, 1, EOS)
 
 
@@ -105,14 +107,30 @@ def test_cbcore_jsonl_is_read_by_its_columns_and_windowed(tmp_path) -> None:
     assert window.describe()["trace"]["format"] == "cbcore"
 
 
-def test_a_csv_with_vidur_columns_and_without_arrivals_needs_a_rate(tmp_path) -> None:
-    path = tmp_path / "lengths.csv"
-    path.write_text("num_prefill_tokens,num_decode_tokens\n" + "".join(f"{10 + i},{5 + i}\n" for i in range(200)))
+def test_vidur_csv_arrivals_and_lengths_are_the_files() -> None:
+    with VIDUR_CONV.open() as f:
+        rows = [(float(r["arrived_at"]), int(r["num_prefill_tokens"]), int(r["num_decode_tokens"]))
+                for r in csv.DictReader(f)]  # fmt: skip
+    w = load_workload(f"trace:path={VIDUR_CONV}", 32000, SPECIAL)
+    assert w.describe()["trace"]["format"] == "vidur"
+    assert [r.arrival_s for r in w.requests] == pytest.approx([t - rows[0][0] for t, _, _ in rows])
+    assert [r.synthetic_prompt.tokens for r in w.requests] == [n for _, n, _ in rows]
+    assert [r.max_new_tokens for r in w.requests] == [n for _, _, n in rows]
+
+
+def test_a_vidur_csv_without_arrivals_needs_a_rate() -> None:
+    with VIDUR_ARXIV.open() as f:
+        rows = [(int(r["num_prefill_tokens"]), int(r["num_decode_tokens"])) for r in csv.DictReader(f)]
     with pytest.raises(WorkloadError, match=r"holds no arrival times .*give rate=R"):
-        load_workload(f"trace:path={path}", 100)
-    w = load_workload(f"trace:path={path},rate=4,seed=3", 100)
-    assert [r.synthetic_prompt.tokens for r in w.requests] == [10 + i for i in range(200)]
-    assert len(w) / w.span_s == pytest.approx(4, rel=0.25)  # Poisson arrivals at the asked mean rate
+        load_workload(f"trace:path={VIDUR_ARXIV}", 32000, SPECIAL)
+    w = load_workload(f"trace:path={VIDUR_ARXIV},rate=4,seed=3", 32000, SPECIAL)
+    assert [r.synthetic_prompt.tokens for r in w.requests] == [n for n, _ in rows]
+    assert [r.max_new_tokens for r in w.requests] == [n for _, n in rows]
+    assert len(w) / w.span_s == pytest.approx(4, rel=0.3)  # Poisson arrivals at the asked mean rate (20 of them)
+    gaps = [b.arrival_s - a.arrival_s for a, b in zip(w.requests, w.requests[1:], strict=False)]
+    assert len(set(gaps)) == len(gaps)  # drawn, not evenly spaced
+    again = load_workload(f"trace:path={VIDUR_ARXIV},rate=4,seed=3", 32000, SPECIAL)
+    assert [r.arrival_s for r in again.requests] == [r.arrival_s for r in w.requests]
 
 
 def test_unknown_columns_are_named_in_the_error(tmp_path) -> None:
