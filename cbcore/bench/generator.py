@@ -122,20 +122,27 @@ def is_generator(spec: str) -> bool:
     return True
 
 
-def parse_spec(spec: str) -> tuple[str, GeneratorSpec]:
-    """``poisson:n=64,rate=2,clients=a:3/b:1,priorities=0/1`` -> (kind, validated spec)."""
-    kind, _, body = spec.partition(":")
-    if kind not in GENERATORS:
-        raise WorkloadError(f"workload {spec!r}: unknown generator {kind!r}; known: {', '.join(GENERATORS)}")
+def spec_items(spec: str, body: str) -> dict[str, object]:
+    """``a=1,clients=x:3/y:1`` -> {key: value}, weighted keys parsed; a key given twice is an error, not the last one kept."""
     data: dict[str, object] = {}
     for item in filter(None, (p.strip() for p in body.split(","))):
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise WorkloadError(f"workload {spec!r}: expected key=value, got {item!r}")
         key = key.strip()
+        if key in data:
+            raise WorkloadError(f"workload {spec!r}: {key} is given twice")
         data[key] = weights(spec, key, value) if key in WEIGHT_KEYS else value.strip()
+    return data
+
+
+def parse_spec(spec: str) -> tuple[str, GeneratorSpec]:
+    """``poisson:n=64,rate=2,clients=a:3/b:1,priorities=0/1`` -> (kind, validated spec)."""
+    kind, _, body = spec.partition(":")
+    if kind not in GENERATORS:
+        raise WorkloadError(f"workload {spec!r}: unknown generator {kind!r}; known: {', '.join(GENERATORS)}")
     try:
-        return kind, GeneratorSpec.model_validate(data)
+        return kind, GeneratorSpec.model_validate(spec_items(spec, body))
     except ValidationError as exc:
         raise WorkloadError(f"workload {spec!r}: {format_validation_error(exc)}") from None
 

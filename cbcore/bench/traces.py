@@ -45,7 +45,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field, ValidationError, model_validator
 
-from cbcore.bench.generator import WEIGHT_KEYS, ClassSpec, arrival_times, weights
+from cbcore.bench.generator import ClassSpec, arrival_times, spec_items
 from cbcore.bench.synthetic import SyntheticPrompt, blocks_for
 from cbcore.bench.trace_formats import TraceRows, read_trace
 from cbcore.bench.workload import BenchRequest, Workload, WorkloadError
@@ -107,15 +107,7 @@ def parse_trace_spec(spec: str) -> tuple[str, TraceSpec]:
     kind, _, body = spec.strip().partition(":")
     if kind not in TRACE_KINDS:
         raise WorkloadError(f"workload {spec!r}: not a trace; known: trace:path=FILE, {', '.join(NAMED_TRACES)}")
-    data: dict[str, object] = {}
-    for item in filter(None, (p.strip() for p in body.split(","))):
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise WorkloadError(f"workload {spec!r}: expected key=value, got {item!r}")
-        key = key.strip()
-        if key in data:
-            raise WorkloadError(f"workload {spec!r}: {key} is given twice")
-        data[key] = weights(spec, key, value) if key in WEIGHT_KEYS else value.strip()
+    data = spec_items(spec, body)
     if kind != "trace":
         if "path" in data:
             raise WorkloadError(f"workload {spec!r}: {kind} is a shipped trace; path= is for trace:path=FILE")
