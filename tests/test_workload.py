@@ -184,6 +184,7 @@ def test_empty_trace_and_duplicate_ids_are_rejected(tmp_path) -> None:
         ("poisson:lengths=zipf", r"lengths: Input should be 'fixed', 'uniform' or 'sharegpt'"),
         ("poisson:colour=red", r"colour: Extra inputs are not permitted"),
         ("poisson:n", r"expected key=value"),
+        ("poisson:n=2,rate=1,n=3", r"n is given twice"),
         ("poisson:clients=a:0", r"clients: .*weights must be positive"),
         ("poisson:clients=a:x", r"clients\.a"),
         ("zipf:n=3", r"expected 'seed', a .jsonl trace, or a generator"),
