@@ -20,14 +20,20 @@ import csv
 import gzip
 import io
 import json
-from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
 import numpy as np
 
-from cbcore.bench.workload import OLD_SPELLINGS, PROMPT_FIELDS, BenchRequest, WorkloadError, parse_trace
+from cbcore.bench.workload import (
+    OLD_SPELLINGS,
+    PROMPT_FIELDS,
+    BenchRequest,
+    WorkloadError,
+    json_objects,
+    parse_trace,
+)
 
 MOONCAKE_BLOCK_TOKENS = 512
 
@@ -152,19 +158,6 @@ def _read_csv(source: str, text: str) -> TraceRows:
     return TraceRows(source, fmt, header, times, np.array(inputs, np.int64), np.array(outputs, np.int64))
 
 
-def _jsonl(source: str, text: str) -> Iterator[tuple[int, dict]]:
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            data = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise WorkloadError(f"trace {source}:{number}: not valid JSON ({exc.msg})") from None
-        if not isinstance(data, dict):
-            raise WorkloadError(f"trace {source}:{number}: expected a JSON object, got {type(data).__name__}")
-        yield number, data
-
-
 def _read_jsonl(source: str, text: str, first: str) -> TraceRows:
     try:
         columns = list(json.loads(first))
@@ -185,7 +178,7 @@ def _read_jsonl(source: str, text: str, first: str) -> TraceRows:
         raise WorkloadError(f"trace {source}: a JSONL file with the columns of a {fmt} trace, which is CSV")
     stamps, inputs, outputs, hashes = [], [], [], []
     with_hashes = "hash_ids" in columns
-    for number, data in _jsonl(source, text):
+    for number, data in json_objects(text.splitlines(), f"trace {source}"):
         missing = [c for c in ("timestamp", "input_length", "output_length") if c not in data]
         if missing:
             raise WorkloadError(f"trace {source}:{number}: no {missing[0]!r}")

@@ -29,7 +29,7 @@ blocks (:class:`cbcore.bench.synthetic.SyntheticPrompt`).
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from pathlib import Path
@@ -261,12 +261,8 @@ class Workload:
         return cls(str(path), tuple(parse_trace(text.splitlines(), str(path))))
 
 
-def parse_trace(lines: Seq[str], source: str = "trace") -> list[BenchRequest]:
-    """Validate every line; the first bad one is reported as ``source:LINE: problem``.
-
-    A line without ``request_id`` is named ``line-N``.
-    """
-    requests = []
+def json_objects(lines: Iterable[str], source: str) -> Iterator[tuple[int, dict]]:
+    """(line number, object) of each non-blank line; the first that is not a JSON object is reported by line."""
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -276,6 +272,16 @@ def parse_trace(lines: Seq[str], source: str = "trace") -> list[BenchRequest]:
             raise WorkloadError(f"{source}:{number}: not valid JSON ({exc.msg})") from None
         if not isinstance(data, dict):
             raise WorkloadError(f"{source}:{number}: expected a JSON object, got {type(data).__name__}")
+        yield number, data
+
+
+def parse_trace(lines: Seq[str], source: str = "trace") -> list[BenchRequest]:
+    """Validate every line; the first bad one is reported as ``source:LINE: problem``.
+
+    A line without ``request_id`` is named ``line-N``.
+    """
+    requests = []
+    for number, data in json_objects(lines, source):
         if not any(key in data for key in ("request_id", *OLD_SPELLINGS)):
             data["request_id"] = f"line-{number}"
         try:
