@@ -184,3 +184,23 @@ def test_ratios_and_table() -> None:
     lines = text.splitlines()
     assert lines[3].split()[:3] == ["fcfs", "30.0", "yes"]
     assert lines[4].split()[:3] == ["chunked", "40.0", "NO"]
+
+
+def test_pooled_itl_gaps_never_span_two_requests_and_summarise_like_the_list() -> None:
+    """The numpy path joins every request's token times: a gap across a boundary would be a bogus ITL."""
+    from cbcore.bench.metrics import distribution, itl_gaps, latency_samples
+
+    rng = random.Random(3)
+    outs = []
+    for i in range(40):
+        start = rng.uniform(0, 50)
+        times = [start + sum(rng.uniform(0.01, 0.2) for _ in range(k + 1)) for k in range(rng.randint(1, 12))]
+        outs.append(output(f"r{i}", start, times))
+    by_hand = [b - a for o in outs for a, b in zip(o.metrics.token_times, o.metrics.token_times[1:], strict=False)]
+    gaps = itl_gaps([o.metrics for o in outs])
+    assert gaps.tolist() == pytest.approx(by_hand)
+    assert distribution("itl", gaps) == pytest.approx(distribution("itl", by_hand))
+    norm = latency_samples(outs)["norm_latency"]
+    assert norm == pytest.approx([o.metrics.e2e / o.metrics.output_len for o in outs])
+    row = summarize("x", [request(f"r{i}") for i in range(40)], outs, duration_s=60.0)
+    assert row["norm_latency_p50_s"] == pytest.approx(percentile(norm, 50))

@@ -112,6 +112,33 @@ def test_a_steps_shape_counts_its_tokens_pairs_and_keys():
     )
 
 
+def test_every_step_shape_is_the_per_row_sum_whatever_mix_of_rows():
+    """The shape's fast paths (decode-only steps, decode rows summed at once) against the definition, row by row."""
+    import random
+
+    rng = random.Random(5)
+    params = SamplingParams()
+    for _ in range(500):
+        rows = []
+        for _ in range(rng.randint(0, 7)):
+            start, kind = rng.randint(0, 60), rng.random()
+            if kind < 0.5:
+                rows.append(RowPlan([1], start, [], params, decode=True))
+            else:  # a prefill chunk or a recomputation; its last chunk samples
+                rows.append(RowPlan([1] * rng.randint(1, 9), start, [], params if kind < 0.75 else None))
+        plan = StepPlan(rows, [(0, 1)] * rng.randint(0, 2), [(1, 0)] * rng.randint(0, 2))
+        lens = [len(r.token_ids) for r in rows]
+        assert StepShape.of(plan) == StepShape(
+            num_seqs=len(rows),
+            prefill_tokens=sum(n for r, n in zip(rows, lens, strict=True) if not r.decode),
+            decode_tokens=sum(r.decode for r in rows),
+            attn_pairs=sum(n * r.start + n * (n + 1) // 2 for r, n in zip(rows, lens, strict=True)),
+            kv_tokens=sum(r.start + n for r, n in zip(rows, lens, strict=True)),
+            sample_rows=tuple(i for i, r in enumerate(rows) if r.params is not None),
+            swap_blocks=len(plan.swap_in) + len(plan.swap_out),
+        ), plan
+
+
 def test_the_roofline_prices_a_step_as_computed_by_hand():
     """bfloat16 (2 bytes), 4 tokens, 1 sampled row, 2 layers; every number below is worked out by hand."""
     shape = StepShape.of(a_step())

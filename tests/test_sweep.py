@@ -34,8 +34,9 @@ def test_the_sweep_key_is_replaced_or_added_and_checked() -> None:
         Sweep.parse("rate")
     with pytest.raises(WorkloadError, match="a value appears twice"):
         Sweep.parse("rate=1,1")
-    with pytest.raises(WorkloadError, match="needs a generator workload"):
+    with pytest.raises(WorkloadError, match="needs a generator or trace workload"):
         sweep.points("seed")
+    assert sweep.points("azure-conv-2023:limit=9") == [f"azure-conv-2023:limit=9,rate={v}" for v in (1, 2, 4)]
     with pytest.raises(WorkloadError, match="rate"):
         Sweep.parse("rate=1,-2").points("poisson:n=3")  # every point is validated before anything runs
 
@@ -77,7 +78,7 @@ def test_sweep_flag_errors_are_one_line(capsys) -> None:
     assert simulate("--workload", BASE, "--jobs", "2") == 2
     assert "--jobs runs the points of a --sweep" in capsys.readouterr().err
     assert simulate("--workload", "seed", "--sweep", "rate=1,2") == 2
-    assert "needs a generator workload" in capsys.readouterr().err
+    assert "needs a generator or trace workload" in capsys.readouterr().err
     assert simulate("--workload", BASE, "--sweep", "rate=1,2", "--save-trace", "t.jsonl") == 2
     assert "--save-trace with --sweep" in capsys.readouterr().err
 

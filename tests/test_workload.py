@@ -184,6 +184,7 @@ def test_empty_trace_and_duplicate_ids_are_rejected(tmp_path) -> None:
         ("poisson:lengths=zipf", r"lengths: Input should be 'fixed', 'uniform', 'sharegpt' or 'arxiv-summarization'"),
         ("poisson:colour=red", r"colour: Extra inputs are not permitted"),
         ("poisson:n", r"expected key=value"),
+        ("poisson:n=2,rate=1,n=3", r"n is given twice"),
         ("poisson:clients=a:0", r"clients: .*weights must be positive"),
         ("poisson:clients=a:x", r"clients\.a"),
         ("zipf:n=3", r"expected 'seed', a .jsonl trace, or a generator"),
@@ -206,7 +207,12 @@ def test_every_record_field_survives_a_trace_round_trip() -> None:
         "top_k": 3, "top_p": 0.9, "seed": 7, "ignore_eos": True, "priority": 2, "client_id": "c", "deadline_s": 1.5,
         "follows": "z", "attrs": {"tier": ["gold"]},
     }  # fmt: skip
-    prompts = {"prompt": "hi", "messages": [{"role": "user", "content": "hi", "name": "x"}]}
+    prompts = {
+        "prompt": "hi",
+        "messages": [{"role": "user", "content": "hi", "name": "x"}],
+        "synthetic_prompt": {"tokens": 700, "seed": 3, "hash_ids": [5, 9], "block_tokens": 512.0,
+                             "vocab_size": 100, "special_ids": [0, 1]},
+    }  # fmt: skip
     assert {*full, *prompts} == set(RequestRecord.model_fields), "a new record field needs a place in this test"
     for data in (full, *({**full, "prompt_token_ids": None, key: value} for key, value in prompts.items())):
         data = {k: v for k, v in data.items() if v is not None}

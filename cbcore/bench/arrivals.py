@@ -61,9 +61,12 @@ class Arrivals:
 
     def finished(self, i: int, output: RequestOutput, now: float) -> None:
         """Request ``i`` is done: schedule the turns that follow it (their think time starts now)."""
+        followers = self._followers.get(self._requests[i].request_id)
+        if not followers:
+            return
         done_at = output.metrics.finish_time if output.metrics and output.metrics.finish_time else now
         history = [*self.prompt(i), *output.output_token_ids]
-        for j in self._followers.get(self._requests[i].request_id, ()):
+        for j in followers:
             self._histories[j] = history + list(self._own[j])
             self._schedule(j, done_at + self._requests[j].arrival_s)
 

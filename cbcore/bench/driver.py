@@ -25,10 +25,11 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from cbcore.bench.arrivals import Arrivals
+from cbcore.bench.synthetic import PromptIds
 from cbcore.bench.workload import BenchRequest, Workload
 from cbcore.engine_core import EngineCore, RequestError, StepRecord
 from cbcore.outputs import RequestOutput, StepStats
@@ -177,6 +178,8 @@ def drive(
     idle = 0.0
 
     def finish(i: int, out: RequestOutput, where: int) -> None:
+        if isinstance(prompt := arrivals.prompt(i), PromptIds):
+            out = replace(out, prompt_token_ids=prompt)  # the recipe, not a copy of its ids
         done[i] = out
         arrivals.finished(i, out, clocks[where]())
         placement.done(out.request_id, where)

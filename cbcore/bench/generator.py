@@ -45,21 +45,15 @@ SHAREGPT_INPUT_MEAN = 220
 SHAREGPT_OUTPUT_MEAN = 200
 
 
-class GeneratorSpec(BaseModel):
-    """``poisson:key=value,...``; every key has a default."""
+class ClassSpec(BaseModel):
+    """Who sends each request and how urgent it is: the keys a generator and a trace share.
+
+    Each request's client and priority are drawn by weight, and its deadline
+    (when its priority class has one) uniformly around the class's mean.
+    """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    n: int = Field(64, ge=1, description="Number of requests.")
-    rate: float = Field(math.inf, gt=0, description="Mean arrivals per second; inf: all at t=0.")
-    burstiness: float = Field(1.0, gt=0, description="Gamma shape of inter-arrival gaps; 1 = Poisson.")
-    lengths: Literal["fixed", "uniform", "sharegpt", "arxiv-summarization"] = "sharegpt"
-    input_len: int | None = Field(None, ge=1, description="Mean prompt length (default per distribution).")
-    output_len: int | None = Field(None, ge=1, description="Mean output length (default per distribution).")
-    range_ratio: float = Field(0.5, ge=0, lt=1, description="uniform: lengths in [L(1-r), L(1+r)].")
-    sigma: float = Field(1.0, gt=0, le=3, description="sharegpt: log-normal shape (larger: longer tail).")
-    max_input: int = Field(1024, ge=1, description="Longest prompt kept (sharegpt tail is truncated).")
-    max_output: int = Field(1024, ge=1, description="Longest output kept.")
     clients: dict[str, float] = Field(default_factory=lambda: {"default": 1.0})
     priorities: dict[int, float] = Field(default_factory=lambda: {0: 1.0})
     deadlines: dict[int, float] = Field(
@@ -69,12 +63,6 @@ class GeneratorSpec(BaseModel):
     deadline_spread: float = Field(
         0.5, ge=0, lt=1, description="Each deadline is drawn uniformly in mean * [1 - spread, 1 + spread]."
     )
-    ignore_eos: bool = True
-    seed: int = 0
-    system_len: int = Field(0, ge=0, description="Tokens of a system prompt every prompt starts with.")
-    system_prompts: int = Field(1, ge=1, description="Distinct system prompts; client i uses i mod this.")
-    turns: int = Field(1, ge=1, description="Turns per conversation (closed-loop after the first).")
-    think_s: float = Field(0.0, ge=0, allow_inf_nan=False, description="Pause after an answer before the next turn.")
 
     @field_validator("deadlines")
     @classmethod
@@ -90,6 +78,40 @@ class GeneratorSpec(BaseModel):
             raise ValueError("weights must be positive")
         return value
 
+    def draw_class(self, who: random.Random, deadline_rng: random.Random) -> tuple[str, int, float | None]:
+        """One request's client, priority and deadline (None: its class has none)."""
+        client = who.choices(list(self.clients), list(self.clients.values()))[0]
+        priority = who.choices(list(self.priorities), list(self.priorities.values()))[0]
+        mean = self.deadlines.get(priority)
+        spread = self.deadline_spread
+        deadline = None if mean is None else mean * deadline_rng.uniform(1 - spread, 1 + spread)
+        return client, priority, deadline
+
+
+#: The keys whose values are ``name:weight/name:weight`` lists.
+WEIGHT_KEYS = ("clients", "priorities", "deadlines")
+
+
+class GeneratorSpec(ClassSpec):
+    """``poisson:key=value,...``; every key has a default."""
+
+    n: int = Field(64, ge=1, description="Number of requests.")
+    rate: float = Field(math.inf, gt=0, description="Mean arrivals per second; inf: all at t=0.")
+    burstiness: float = Field(1.0, gt=0, description="Gamma shape of inter-arrival gaps; 1 = Poisson.")
+    lengths: Literal["fixed", "uniform", "sharegpt", "arxiv-summarization"] = "sharegpt"
+    input_len: int | None = Field(None, ge=1, description="Mean prompt length (default per distribution).")
+    output_len: int | None = Field(None, ge=1, description="Mean output length (default per distribution).")
+    range_ratio: float = Field(0.5, ge=0, lt=1, description="uniform: lengths in [L(1-r), L(1+r)].")
+    sigma: float = Field(1.0, gt=0, le=3, description="sharegpt: log-normal shape (larger: longer tail).")
+    max_input: int = Field(1024, ge=1, description="Longest prompt kept (sharegpt tail is truncated).")
+    max_output: int = Field(1024, ge=1, description="Longest output kept.")
+    ignore_eos: bool = True
+    seed: int = 0
+    system_len: int = Field(0, ge=0, description="Tokens of a system prompt every prompt starts with.")
+    system_prompts: int = Field(1, ge=1, description="Distinct system prompts; client i uses i mod this.")
+    turns: int = Field(1, ge=1, description="Turns per conversation (closed-loop after the first).")
+    think_s: float = Field(0.0, ge=0, allow_inf_nan=False, description="Pause after an answer before the next turn.")
+
     @property
     def means(self) -> tuple[int, int]:
         default = (SHAREGPT_INPUT_MEAN, SHAREGPT_OUTPUT_MEAN) if self.lengths == "sharegpt" else (128, 128)
@@ -104,25 +126,32 @@ def is_generator(spec: str) -> bool:
     return True
 
 
-def parse_spec(spec: str) -> tuple[str, GeneratorSpec]:
-    """``poisson:n=64,rate=2,clients=a:3/b:1,priorities=0/1`` -> (kind, validated spec)."""
-    kind, _, body = spec.partition(":")
-    if kind not in GENERATORS:
-        raise WorkloadError(f"workload {spec!r}: unknown generator {kind!r}; known: {', '.join(GENERATORS)}")
+def spec_items(spec: str, body: str) -> dict[str, object]:
+    """``a=1,clients=x:3/y:1`` -> {key: value}, weighted keys parsed; a key given twice is an error, not the last one kept."""
     data: dict[str, object] = {}
     for item in filter(None, (p.strip() for p in body.split(","))):
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             raise WorkloadError(f"workload {spec!r}: expected key=value, got {item!r}")
         key = key.strip()
-        data[key] = _weights(spec, key, value) if key in ("clients", "priorities", "deadlines") else value.strip()
+        if key in data:
+            raise WorkloadError(f"workload {spec!r}: {key} is given twice")
+        data[key] = weights(spec, key, value) if key in WEIGHT_KEYS else value.strip()
+    return data
+
+
+def parse_spec(spec: str) -> tuple[str, GeneratorSpec]:
+    """``poisson:n=64,rate=2,clients=a:3/b:1,priorities=0/1`` -> (kind, validated spec)."""
+    kind, _, body = spec.partition(":")
+    if kind not in GENERATORS:
+        raise WorkloadError(f"workload {spec!r}: unknown generator {kind!r}; known: {', '.join(GENERATORS)}")
     try:
-        return kind, GeneratorSpec.model_validate(data)
+        return kind, GeneratorSpec.model_validate(spec_items(spec, body))
     except ValidationError as exc:
         raise WorkloadError(f"workload {spec!r}: {format_validation_error(exc)}") from None
 
 
-def _weights(spec: str, key: str, value: str) -> dict[str, str]:
+def weights(spec: str, key: str, value: str) -> dict[str, str]:
     """``a:3/b:1`` -> {a: 3, b: 1}; a bare name has weight 1."""
     out: dict[str, str] = {}
     for part in filter(None, value.split("/")):
@@ -197,16 +226,11 @@ def generate(spec_text: str, vocab_size: int, special_ids: Seq[int] = ()) -> Wor
 
     times = arrival_times(spec.n, spec.rate, spec.burstiness, rng_arrival)
     in_mean, out_mean = spec.means
-    clients, client_w = list(spec.clients), list(spec.clients.values())
-    prios, prio_w = list(spec.priorities), list(spec.priorities.values())
+    clients = list(spec.clients)
     systems = [draw_tokens(spec.system_len, rng_sys) for _ in range(spec.system_prompts)]
     requests = []
     for i, t in enumerate(times):
-        client = rng_who.choices(clients, client_w)[0]
-        priority = rng_who.choices(prios, prio_w)[0]
-        mean = spec.deadlines.get(priority)
-        spread = spec.deadline_spread
-        deadline = None if mean is None else mean * rng_deadline.uniform(1 - spread, 1 + spread)
+        client, priority, deadline = spec.draw_class(rng_who, rng_deadline)
         previous = None
         for turn in range(spec.turns):
             n_in, n_out = draw_pair(spec, in_mean, out_mean, rng_len)

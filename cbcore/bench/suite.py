@@ -6,7 +6,9 @@ server over HTTP, an outside baseline); :func:`run_rows` runs the rows and
 summarises each with the same metrics. :func:`run_suite` makes the rows of
 `cb bench`: all share one model object and the same token ids, and each engine
 is built, warmed up with a short request, timed on the workload, and released
-before the next, so rows do not compete for memory or CPU. The per-prompt
+before the next, so rows do not compete for memory or CPU. The model-side
+modules (engine, baselines, references) are imported where they are used, so
+that `cb simulate`, which needs only the rows, never loads transformers. The per-prompt
 reference (HF ``generate`` on each prompt alone) is computed once and every
 row is compared with it. `cb simulate`'s rows are :mod:`cbcore.sim.suite`'s.
 """
@@ -18,25 +20,22 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from cbcore.bench.baselines import BASELINES, run_hf_generate_batch, run_hf_static
 from cbcore.bench.classes import deadline_stats, per_class
 from cbcore.bench.driver import ProgressFactory, RunResult, drive, no_progress, warm_up
-from cbcore.bench.http_driver import run_http
 from cbcore.bench.memory import PeakRSS, process_peak_rss_bytes
 from cbcore.bench.metrics import SLO, latency_samples, summarize
 from cbcore.bench.saturation import keeps_up
-from cbcore.bench.seed_toy import run_seed_toy
 from cbcore.bench.workload import BenchRequest, Workload
 from cbcore.config import EngineConfig
-from cbcore.engine import Engine
 from cbcore.log import get_logger
 from cbcore.outputs import RequestOutput
-from cbcore.testing.compare import compare_greedy
-from cbcore.testing.reference import ReferenceOutput, reference_generate
+
+if TYPE_CHECKING:
+    import torch
+
+    from cbcore.testing.reference import ReferenceOutput
 
 log = get_logger(__name__)
 
@@ -54,7 +53,11 @@ class BenchResult:
         return {"workload": self.workload, "rows": self.rows}
 
 
-def prompt_token_ids(workload: Workload, tokenizer: Any | None) -> list[list[int]]:
+def prompt_token_ids(workload: Workload, tokenizer: Any | None, lazy: bool = False) -> list[Seq[int]]:
+    """Every request's prompt ids; with ``lazy``, synthetic prompts stay recipes until a run reads them
+    (the simulator's way through a trace of millions of prompt tokens)."""
+    if lazy:
+        return [r.lazy_token_ids(tokenizer) for r in workload.requests]
     return [r.token_ids(tokenizer) for r in workload.requests]
 
 
@@ -65,6 +68,8 @@ def reference_outputs(
     progress: ProgressFactory = no_progress,
 ) -> list[ReferenceOutput]:
     """HF ``generate`` on each prompt alone (EOS ignored where the request ignores it)."""
+    from cbcore.testing.reference import reference_generate
+
     bar = progress(len(workload), "reference")
     refs = []
     for req, ids in zip(workload.requests, token_ids, strict=True):
@@ -89,6 +94,8 @@ class References:
     def get(self, prompt: Seq[int], req: BenchRequest) -> ReferenceOutput:
         key = (tuple(prompt), req.max_new_tokens, req.ignore_eos)
         if key not in self._cache:
+            from cbcore.testing.reference import reference_generate
+
             (ref,) = reference_generate(
                 self.model, [list(prompt)], [req.max_new_tokens], ignore_eos=req.ignore_eos
             )
@@ -103,6 +110,8 @@ def reference_check(
     model: torch.nn.Module, workload: Workload, refs: Seq[ReferenceOutput] | References, tries: Seq[RunResult]
 ) -> dict[str, Any]:
     """Every run against the per-prompt reference; the row reports its worst run."""
+    from cbcore.testing.compare import compare_greedy
+
     checks = []
     for run in tries:
         expected = refs.for_run(workload, run.outputs) if isinstance(refs, References) else refs
@@ -191,6 +200,10 @@ def run_suite(
     ``servers`` are (row name, URL) pairs: each row drives a running `cb serve`
     over HTTP with streaming clients (:mod:`cbcore.bench.http_driver`).
     """
+    from cbcore.bench.baselines import BASELINES, run_hf_generate_batch, run_hf_static
+    from cbcore.bench.http_driver import run_http
+    from cbcore.bench.seed_toy import run_seed_toy
+
     unknown = [b for b in baselines if b not in BASELINES]
     if unknown:
         raise ValueError(f"unknown baseline {unknown[0]!r}; known: {', '.join(BASELINES)}")
@@ -248,6 +261,8 @@ def _run_config(
     progress: ProgressFactory,
 ) -> RunResult:
     """A fresh engine per run, warmed up, then released (each holds its own KV pool)."""
+    from cbcore.engine import Engine
+
     engine = Engine(model, tokenizer, config)
     warm_up(engine, token_ids)
     run = drive([engine], name, workload, token_ids, progress=progress)
@@ -314,9 +329,10 @@ def baseline_limits(configs: Seq[tuple[str, EngineConfig]]) -> tuple[int, int]:
     return max(seqs, default=16), max(tokens, default=512)
 
 
-@torch.inference_mode()
 def _warm_model(model: torch.nn.Module, token_ids: Seq[Seq[int]]) -> None:
     """One plain forward, so the process's first-call costs (allocator, kernels) are not timed."""
+    import torch
+
     device = next(model.parameters()).device
-    ids = torch.tensor([list(token_ids[0][:16])], device=device)
-    model(input_ids=ids)
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([list(token_ids[0][:16])], device=device))

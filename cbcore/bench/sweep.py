@@ -1,7 +1,7 @@
 """Load sweeps: one workload key over several values, every configuration at every value.
 
-``--sweep rate=2,3,4,5`` turns one generator spec into one spec per value (the
-key replaced, or added when the spec did not name it); each point runs every
+``--sweep rate=2,3,4,5`` turns one generator or trace spec into one spec per
+value (the key replaced, or added when the spec did not name it); each point runs every
 configuration as an ordinary benchmark or simulation (``--jobs N`` runs
 simulated points in N processes), and the rows of all points make one
 :class:`~cbcore.bench.suite.BenchResult`. Each row records its
@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from cbcore.bench.generator import GENERATORS, GeneratorSpec, parse_spec
 from cbcore.bench.suite import BenchResult
+from cbcore.bench.traces import NAMED_TRACES, TRACE_KEYS, is_trace, parse_trace_spec
 from cbcore.bench.workload import Workload, WorkloadError
 from cbcore.cli.config_files import format_validation_error
 from cbcore.config import EngineConfig
@@ -33,7 +34,7 @@ log = get_logger(__name__)
 
 
 class Sweep(BaseModel):
-    """``KEY=V1,V2,...``: a generator key and the values it takes, in order."""
+    """``KEY=V1,V2,...``: a generator or trace key and the values it takes, in order."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -45,7 +46,7 @@ class Sweep(BaseModel):
     def _known_key(cls, key: str) -> str:
         from cbcore.plugins import did_you_mean
 
-        known = sorted(GeneratorSpec.model_fields)
+        known = sorted({*GeneratorSpec.model_fields, *TRACE_KEYS} - {"path"})
         if key not in known:
             raise ValueError(f"unknown workload key {key!r}{did_you_mean(key, known)}; known: {', '.join(known)}")
         return key
@@ -71,11 +72,20 @@ class Sweep(BaseModel):
 
     def points(self, spec: str) -> list[str]:
         """The workload spec at every value; each is validated now, before anything runs."""
+        if is_trace(spec):
+            if self.key not in TRACE_KEYS or self.key == "path":
+                raise WorkloadError(f"--sweep {self.key}: not a key of a trace workload; known: {', '.join(TRACE_KEYS[1:])}")
+            points = [with_key(spec, self.key, value) for value in self.values]
+            for point in points:
+                parse_trace_spec(point)
+            return points
         if spec.split(":", 1)[0] not in GENERATORS:
             raise WorkloadError(
-                f"--sweep needs a generator workload ({', '.join(f'{g}:...' for g in GENERATORS)}), got {spec!r}: "
-                "a trace or 'seed' has no keys to vary"
+                f"--sweep needs a generator or trace workload ({', '.join(f'{g}:...' for g in GENERATORS)}, "
+                f"trace:path=FILE,..., {', '.join(NAMED_TRACES)}), got {spec!r}: a file or 'seed' has no keys to vary"
             )
+        if self.key not in GeneratorSpec.model_fields:
+            raise WorkloadError(f"--sweep {self.key}: not a key of a generator workload; known: {', '.join(GeneratorSpec.model_fields)}")
         points = [with_key(spec, self.key, value) for value in self.values]
         for point in points:
             parse_spec(point)
@@ -131,6 +141,9 @@ def annotate(row: dict[str, Any], sweep: Sweep, point: Point) -> dict[str, Any]:
         "sweep_value": sweep_value(point.value),
         "workload": point.spec,
     }
+    if point.workload.trace is not None:  # a swept max_input or window changes what the length rule did
+        rule = point.workload.trace["length_rule"]
+        new["trace_dropped"], new["trace_clipped"] = rule["dropped"], rule["clipped"]
     if "error" in row:
         return new
     new["offered_request_rate"] = offered_rate(point.workload)

@@ -10,6 +10,7 @@ is a list of them with arrival offsets (seconds from the start of a run), from:
 * ``seed`` — the six requests of the seeds' experiment, all at t=0;
 * a JSONL trace, one record per line (what :meth:`Workload.save` writes), so
   that a run can be replayed exactly;
+* a production trace read by :mod:`cbcore.bench.traces` (Azure, Mooncake, ...);
 * a generator spec such as ``poisson:n=64,rate=2,lengths=sharegpt,seed=0``
   (:mod:`cbcore.bench.generator`).
 
@@ -20,14 +21,15 @@ its own prompt tokens. Such a workload is closed-loop: when a turn arrives
 depends on how fast the previous one was served.
 
 Every reader of a prompt goes through :meth:`RequestRecord.token_ids`, so a
-record may hold its prompt in another form (a trace's lengths and a seed, say)
-and produce the ids only when a run needs them.
+record may hold its prompt in another form and produce the ids only when a
+run needs them: ``synthetic_prompt`` is a trace's length, seed and shared
+blocks (:class:`cbcore.bench.synthetic.SyntheticPrompt`).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +37,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
 
+from cbcore.bench.synthetic import PromptIds, SyntheticPrompt
 from cbcore.cli.config_files import format_validation_error
 from cbcore.scheduling.request import RequestFields
 from cbcore.scheduling.sampling_params import SamplingParams
@@ -43,9 +46,12 @@ from cbcore.scheduling.sampling_params import SamplingParams
 SAMPLING_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "ignore_eos")
 #: The order of a record's fields in JSON (a trace reads best with the id and arrival first).
 JSON_ORDER = (
-    "request_id", "arrival_s", "prompt", "messages", "prompt_token_ids", "max_new_tokens", "temperature",
+    "request_id", "arrival_s", "prompt", "messages", "prompt_token_ids", "synthetic_prompt", "max_new_tokens",
+    "temperature",
     "top_k", "top_p", "seed", "priority", "client_id", "ignore_eos", "deadline_s", "follows",
 )  # fmt: skip
+#: The ways a record gives its prompt (exactly one per record).
+PROMPT_FIELDS = ("prompt", "messages", "prompt_token_ids", "synthetic_prompt")
 #: Names earlier versions used for a field: read as the field, with a note.
 OLD_SPELLINGS = {"id": "request_id"}
 
@@ -79,6 +85,9 @@ class RequestRecord(RequestFields):
     prompt: str | None = None
     messages: tuple[Message, ...] | None = Field(None, min_length=1, strict=False)
     prompt_token_ids: tuple[StrictInt, ...] | None = Field(None, strict=False)
+    synthetic_prompt: SyntheticPrompt | None = Field(
+        None, strict=False, description="Token ids drawn when needed, from a length, a seed and shared blocks."
+    )
     max_new_tokens: int | None = None
     temperature: float | None = None
     top_k: int | None = None
@@ -100,9 +109,11 @@ class RequestRecord(RequestFields):
 
     @model_validator(mode="after")
     def _one_prompt(self) -> RequestRecord:
-        given = [f for f in ("prompt", "messages", "prompt_token_ids") if getattr(self, f) is not None]
+        given = [f for f in PROMPT_FIELDS if getattr(self, f) is not None]
         if len(given) != 1:
-            raise ValueError("give exactly one of 'prompt' or 'messages' (text) or 'prompt_token_ids'")
+            raise ValueError(
+                "give exactly one of 'prompt' or 'messages' (text) or 'prompt_token_ids' or 'synthetic_prompt'"
+            )
         if self.prompt is not None and not self.prompt:
             raise ValueError("prompt is empty")
         if self.prompt_token_ids is not None:
@@ -117,6 +128,21 @@ class RequestRecord(RequestFields):
         """The prompt is text (or chat messages): its token ids need the model's tokenizer."""
         return self.prompt is not None or self.messages is not None
 
+    @property
+    def num_prompt_tokens(self) -> int | None:
+        """The prompt's length when known without a tokenizer (token ids or a synthetic prompt)."""
+        if self.prompt_token_ids is not None:
+            return len(self.prompt_token_ids)
+        if self.synthetic_prompt is not None:
+            return self.synthetic_prompt.tokens
+        return None
+
+    def lazy_token_ids(self, tokenizer: Any | None) -> Seq[int]:
+        """:meth:`token_ids`, except that a synthetic prompt stays a recipe (:class:`PromptIds`) until read."""
+        if self.synthetic_prompt is not None:
+            return PromptIds(self.synthetic_prompt)
+        return self.token_ids(tokenizer)
+
     def sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         """How this request decodes: its own sampling fields, ``defaults`` for those it leaves out."""
         chosen = {key: value for key in SAMPLING_FIELDS if (value := getattr(self, key)) is not None}
@@ -126,6 +152,8 @@ class RequestRecord(RequestFields):
         """The prompt as token ids: text is encoded as the engine encodes it, messages by the chat template."""
         if self.prompt_token_ids is not None:
             return list(self.prompt_token_ids)
+        if self.synthetic_prompt is not None:
+            return self.synthetic_prompt.ids()
         if tokenizer is None:
             raise WorkloadError(f"request {self.request_id}: a text prompt needs a tokenizer")
         if self.prompt is not None:
@@ -169,6 +197,9 @@ class BenchRequest(RequestRecord):
 class Workload:
     name: str
     requests: tuple[BenchRequest, ...]
+    # Where a trace's requests came from and what was done to them (window, scaling, the length
+    # rule's counts: :func:`cbcore.bench.traces.load_trace`); None for other workloads.
+    trace: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if not self.requests:
@@ -213,6 +244,7 @@ class Workload:
             "max_new_tokens_total": sum(r.max_new_tokens for r in self.requests),
             "clients": self.clients,
             "follow_ups": sum(r.follows is not None for r in self.requests),
+            **({"trace": self.trace} if self.trace is not None else {}),
         }
 
     def save(self, path: str | Path) -> None:
@@ -229,12 +261,8 @@ class Workload:
         return cls(str(path), tuple(parse_trace(text.splitlines(), str(path))))
 
 
-def parse_trace(lines: Seq[str], source: str = "trace") -> list[BenchRequest]:
-    """Validate every line; the first bad one is reported as ``source:LINE: problem``.
-
-    A line without ``request_id`` is named ``line-N``.
-    """
-    requests = []
+def json_objects(lines: Iterable[str], source: str) -> Iterator[tuple[int, dict]]:
+    """(line number, object) of each non-blank line; the first that is not a JSON object is reported by line."""
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -244,6 +272,16 @@ def parse_trace(lines: Seq[str], source: str = "trace") -> list[BenchRequest]:
             raise WorkloadError(f"{source}:{number}: not valid JSON ({exc.msg})") from None
         if not isinstance(data, dict):
             raise WorkloadError(f"{source}:{number}: expected a JSON object, got {type(data).__name__}")
+        yield number, data
+
+
+def parse_trace(lines: Seq[str], source: str = "trace") -> list[BenchRequest]:
+    """Validate every line; the first bad one is reported as ``source:LINE: problem``.
+
+    A line without ``request_id`` is named ``line-N``.
+    """
+    requests = []
+    for number, data in json_objects(lines, source):
         if not any(key in data for key in ("request_id", *OLD_SPELLINGS)):
             data["request_id"] = f"line-{number}"
         try:

@@ -29,6 +29,17 @@ EPILOG = """\
 workloads:
   seed                                  the seeds' six requests (caps 6..300), all at t=0
   FILE.jsonl                            a trace (see --save-trace), replayed exactly
+  azure-conv-2023, mooncake-conversation
+                                        production traces shipped with cbcore (one hour each; options
+                                        after a colon: azure-conv-2023:rate=5,duration_s=600)
+  trace:path=FILE[,key=value...]        an Azure CSV (TIMESTAMP, ContextTokens, GeneratedTokens), a Mooncake
+                                        JSONL (timestamp, input_length, output_length, hash_ids), a Vidur CSV
+                                        (arrived_at, num_prefill_tokens, num_decode_tokens) or a cbcore JSONL,
+                                        detected by its columns (gzip or not)
+      keys: time_scale (multiply arrival offsets) or rate (req/s, rescales the arrivals), start_s,
+      duration_s, limit (a window: trace seconds, first N rows), length_scale, max_input, max_output
+      (default: the model's context holds prompt + output), overlong (drop or clip; counted in the
+      report), seed (prompt token ids), clients, priorities, deadlines, deadline_spread (drawn per row)
   poisson:n=64,rate=2,lengths=sharegpt,seed=0
       keys: n, rate (req/s, inf = all at t=0), burstiness (1 = Poisson), lengths (fixed, uniform,
       sharegpt, or arxiv-summarization: Sarathi-Serve's measured (prompt, output) pairs), input_len, output_len (means), range_ratio, sigma, max_input, max_output,
@@ -111,7 +122,10 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
 
 def add_row_flags(parser: argparse.ArgumentParser) -> None:
     """The workload and the rows, shared with `cb simulate`: one row per --config x --policy."""
-    parser.add_argument("--workload", default="seed", metavar="SPEC", help="seed, FILE.jsonl or poisson:...")
+    parser.add_argument(
+        "--workload", default="seed", metavar="SPEC",
+        help="seed, FILE.jsonl, poisson:..., a trace (trace:path=FILE,...; azure-conv-2023; mooncake-conversation)",
+    )  # fmt: skip
     parser.add_argument(
         "--config", action="append", default=[], dest="configs", metavar="FILE", help="engine config (repeatable)"
     )
@@ -201,8 +215,7 @@ def parse_sweep(args: argparse.Namespace) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cbcore.bench.generator import is_generator
-    from cbcore.bench.sources import load_workload
+    from cbcore.bench.sources import load_workload, needs_vocabulary
     from cbcore.bench.suite import baseline_limits, run_suite
 
     if args.threads is not None:
@@ -218,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
     slo = check_replicates(args)
     sweep = parse_sweep(args)
     # A trace or spec is checked before the (slow) model load; drawing prompts needs the vocabulary.
-    workload = None if is_generator(args.workload) else load_workload(args.workload)
+    workload = None if needs_vocabulary(args.workload) else load_workload(args.workload)
     configs = build_configs(args)
     local = configs
     if args.servers and not (args.configs or args.policies or args.backends):
@@ -254,7 +267,8 @@ def run(args: argparse.Namespace) -> int:
             servers=servers,
             api_key=args.api_key or os.environ.get("CBCORE_API_KEY"),
         )
-        draw = partial(load_workload, vocab_size=vocab, special_ids=special)
+        context = model_cfg.max_model_len or getattr(model.config.get_text_config(), "max_position_embeddings", None)
+        draw = partial(load_workload, vocab_size=vocab, special_ids=special, context=context)
         return run_rows(args, "cb bench", sweep, local, suite, draw, workload)
 
 

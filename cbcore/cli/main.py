@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import signal
 import sys
 import threading
@@ -75,9 +76,10 @@ def configure_logging(level: str = "warning", json_output: bool = False) -> None
     root.addHandler(handler)
     root.propagate = False
     if level.lower() != "debug":
-        import transformers
-
-        transformers.logging.set_verbosity_error()
+        # transformers reads this when it is imported; commands that never load a model never import it
+        os.environ["TRANSFORMERS_VERBOSITY"] = "error"
+        if "transformers" in sys.modules:
+            sys.modules["transformers"].logging.set_verbosity_error()
 
 
 def main(argv: list[str] | None = None) -> int:

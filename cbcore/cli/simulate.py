@@ -120,7 +120,8 @@ def run(args: argparse.Namespace) -> int:
         if args.replicas == 1:
             raise CLIError("--router needs --replicas N with N > 1 (one engine has nothing to route)")
         configs = with_routers(configs, args.routers)
-    draw = partial(load_workload, vocab_size=profile.model.vocab_size)
+    context = configs[0][1].model.max_model_len or profile.model.max_position_embeddings
+    draw = partial(load_workload, vocab_size=profile.model.vocab_size, context=context)
     # Replicate 0 (the others are drawn later); a capacity search draws each rate's workload itself.
     workload = None if sweep is not None or args.capacity else draw(args.workload)
     tokenizer = None

@@ -11,12 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from cbcore.bench.driver import VirtualClock
 from cbcore.config import EngineConfig
 from cbcore.engine_core import EngineCore
-from cbcore.execution.runner import KVGeometry, plan_num_blocks
 from cbcore.scheduling.plan import Sampled, StepPlan
 from cbcore.scheduling.policy_scheduler import build_scheduler
 from cbcore.sim.profile import Profile
@@ -67,6 +64,10 @@ def sim_num_blocks(config: EngineConfig, profile: Profile) -> int:
             return max(1, tokens // kv.block_size)
         if (memory_mb := profile.kv_memory_mb()) is not None:
             kv = kv.model_copy(update={"max_memory_mb": memory_mb})
+    import torch
+
+    from cbcore.execution.runner import KVGeometry, plan_num_blocks  # imports transformers: only when needed
+
     m = profile.model
     geometry = KVGeometry(m.num_layers, m.num_kv_heads, m.head_dim)
     return plan_num_blocks(kv, geometry, getattr(torch, profile.identity.dtype))

@@ -29,24 +29,25 @@ class StepShape:
 
     @classmethod
     def of(cls, plan: StepPlan) -> StepShape:
-        prefill = decode = pairs = keys = 0
-        rows = []
-        for i, row in enumerate(plan.rows):
-            n, start = len(row.token_ids), row.start
-            if row.decode:
-                decode += 1
-            else:
-                prefill += n
-            pairs += n * start + n * (n + 1) // 2
-            keys += start + n
-            if row.params is not None:
-                rows.append(i)
-        return cls(
-            num_seqs=len(plan.rows),
-            prefill_tokens=prefill,
-            decode_tokens=decode,
-            attn_pairs=pairs,
-            kv_tokens=keys,
-            sample_rows=tuple(rows),
-            swap_blocks=len(plan.swap_in) + len(plan.swap_out),
-        )
+        """The shape of ``plan``, in a few C-level passes over its rows: called once per simulated step.
+
+        A decode row computes one token at position ``start`` (``start + 1`` query-key pairs and
+        keys) and samples; only the other rows (prefill chunks, recomputation) are looked at one by
+        one. A trace hour is ~10^5 steps of ~10^2 rows, so this is the simulator's own inner loop.
+        """
+        rows = plan.rows
+        swaps = len(plan.swap_in) + len(plan.swap_out)
+        starts = [r.start for r in rows]
+        decodes = [r.decode for r in rows]
+        n_decode = decodes.count(True)
+        keys = sum(starts) + n_decode
+        if n_decode == len(rows):  # decode-only: the common step of a busy engine
+            return cls(n_decode, 0, n_decode, keys, keys, tuple(range(n_decode)), swaps)
+        prefill = 0
+        pairs = keys  # every row's start, plus 1 per decode row; the other rows are added below
+        for i in [i for i, d in enumerate(decodes) if not d]:
+            n, start = len(rows[i].token_ids), starts[i]
+            prefill += n
+            pairs += n * start + n * (n + 1) // 2 - start
+        sample = tuple([i for i, r in enumerate(rows) if r.params is not None])
+        return cls(len(rows), prefill, n_decode, pairs, keys + prefill, sample, swaps)

@@ -71,7 +71,8 @@ def simulate_workload(
 ) -> BenchResult:
     """:func:`simulate_suite` with the prompts' token ids (text ones by ``tokenizer``): `cb simulate`'s
     suite, also in the worker process of a sweep's point."""
-    return simulate_suite(profile, workload, prompt_token_ids(workload, tokenizer), configs, **options)
+    prompts = prompt_token_ids(workload, tokenizer, lazy=True)
+    return simulate_suite(profile, workload, prompts, configs, **options)
 
 
 def _simulate(

@@ -6,10 +6,15 @@ under a steady stream of short ones; here a request's predicted size shrinks
 as it waits: ``remaining / (1 + waited / aging_s)``. After waiting ``aging_s``
 seconds a job competes as if it were half its size, so every job is
 eventually served ahead of any newcomer.
+
+``noise_sigma`` multiplies each prediction by a lognormal(0, sigma) factor
+drawn per request (seeded by ``noise_seed`` and the request id), so a study
+can ask how good a length predictor must be before SJF stops paying.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -28,6 +33,14 @@ class SJFParams(BaseModel):
     aging_s: float | None = Field(
         10.0, gt=0, description="Waiting this long halves a job's predicted size; None: no aging."
     )
+    noise_sigma: float = Field(
+        0.0,
+        ge=0,
+        le=5,
+        description="Multiply each prediction by lognormal(0, sigma) noise, to study a predictor's error; "
+        "0: as predicted.",
+    )
+    noise_seed: int = Field(0, ge=0, description="Seed of the noise: a request's factor depends on it and its id only.")
     preempt_running: bool = Field(
         False,
         description="A waiting request that finds no free slot or KV blocks may evict running requests "
@@ -39,6 +52,11 @@ class SJFParams(BaseModel):
     def _resolvable(cls, ref: str) -> str:
         resolve_predictor(ref)  # raises with the known names
         return ref
+
+
+def noise_factor(seed: int, request_id: str, sigma: float) -> float:
+    """A request's lognormal(0, sigma) error factor: the same in every run, whatever else arrives."""
+    return random.Random(f"{seed}:{request_id}").lognormvariate(0.0, sigma)
 
 
 class ShortestPredictedJobFirst(QueuePolicy):
@@ -53,7 +71,10 @@ class ShortestPredictedJobFirst(QueuePolicy):
         self.predicted: dict[str, float] = {}  # request -> predicted output tokens, fixed at arrival
 
     def on_arrival(self, seq: SequenceView, now: float) -> None:
-        self.predicted[seq.request_id] = float(self.predict(seq))
+        predicted = float(self.predict(seq))
+        if self.params.noise_sigma > 0:
+            predicted *= noise_factor(self.params.noise_seed, seq.request_id, self.params.noise_sigma)
+        self.predicted[seq.request_id] = predicted
 
     def on_finish(self, seq: SequenceView, now: float) -> None:
         self.predicted.pop(seq.request_id, None)

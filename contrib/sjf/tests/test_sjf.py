@@ -80,3 +80,23 @@ def test_sjf_keeps_outputs_identical(cb_equivalence) -> None:
     )
     assert report.engine.scheduler.num_preemptions > 0
     assert report.engine.scheduler.num_partial_prefills > 0
+
+
+def test_noise_multiplies_each_prediction_by_a_per_request_lognormal_factor() -> None:
+    import math
+    import statistics
+
+    exact = ShortestPredictedJobFirst(SJFParams(predictor="max-new-tokens", aging_s=None))
+    noisy = ShortestPredictedJobFirst(SJFParams(predictor="max-new-tokens", aging_s=None, noise_sigma=0.5))
+    again = ShortestPredictedJobFirst(SJFParams(predictor="max-new-tokens", aging_s=None, noise_sigma=0.5))
+    other = ShortestPredictedJobFirst(SJFParams(predictor="max-new-tokens", aging_s=None, noise_sigma=0.5, noise_seed=1))
+    seqs = [seq(f"r{i}", 5, cap=100) for i in range(2000)]
+    for policy in (exact, noisy, again, other):
+        for s in reversed(seqs) if policy is again else seqs:  # arrival order does not change a factor
+            policy.on_arrival(s, 0.0)
+    assert set(exact.predicted.values()) == {100.0}
+    assert noisy.predicted == again.predicted != other.predicted
+    logs = [math.log(p / 100.0) for p in noisy.predicted.values()]
+    assert abs(statistics.fmean(logs)) < 0.05 and statistics.stdev(logs) == pytest.approx(0.5, rel=0.08)
+    with pytest.raises(ValidationError):
+        SJFParams(noise_sigma=-1)
