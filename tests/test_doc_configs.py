@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cbcore.config import read_config_file
+from cbcore.cli.config_files import read_config_file
 from cbcore.scheduling.policy_scheduler import build_scheduler
 from cbcore.serve.config import Settings
 

@@ -49,7 +49,7 @@ from cbcore.bench.generator import ClassSpec, arrival_times, spec_items
 from cbcore.bench.synthetic import SyntheticPrompt, blocks_for
 from cbcore.bench.trace_formats import TraceRows, read_trace
 from cbcore.bench.workload import BenchRequest, Workload, WorkloadError
-from cbcore.config import format_validation_error
+from cbcore.cli.config_files import format_validation_error
 from cbcore.log import get_logger
 
 log = get_logger(__name__)

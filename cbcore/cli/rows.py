@@ -11,8 +11,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from cbcore.cli.config_files import format_validation_error
 from cbcore.cli.main import CLIError
-from cbcore.config import format_validation_error
 
 
 def check_replicates(args: argparse.Namespace) -> Any:
@@ -59,7 +59,7 @@ def row_label(given: str | None) -> tuple[str | None, str | None]:
 def row_scheduler(mix: str, plugins: tuple[str, ...]) -> dict[str, Any]:
     """A row's scheduler section: from a policy mix, or ``@FILE`` (a config file's scheduler section)."""
     from cbcore.cli.common import scheduler_from_mix
-    from cbcore.config import read_config_file
+    from cbcore.cli.config_files import read_config_file
 
     if not mix.startswith("@"):
         return scheduler_from_mix(mix, plugins)
