@@ -39,7 +39,7 @@ from cbcore.bench.metrics import SLO
 from cbcore.bench.suite import BenchResult
 from cbcore.bench.sweep import with_key
 from cbcore.bench.workload import Workload, WorkloadError
-from cbcore.config import format_validation_error
+from cbcore.cli.config_files import format_validation_error
 
 #: Per objective: (row key, limit field, scale to the row's unit, label) of each bound it checks.
 BOUNDS = {

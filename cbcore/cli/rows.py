@@ -11,8 +11,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from cbcore.cli.config_files import format_validation_error
 from cbcore.cli.main import CLIError
-from cbcore.config import format_validation_error
 
 
 def check_replicates(args: argparse.Namespace) -> Any:
