@@ -41,6 +41,7 @@ from cbcore.bench.sources import load_workload
 from cbcore.bench.stepcost import timed_steps
 from cbcore.bench.suite import prompt_token_ids
 from cbcore.cli.common import scheduler_from_mix
+from cbcore.cli.main import opt_in_process_settings
 from cbcore.cli.options_util import load_model
 from cbcore.config import EngineConfig
 from cbcore.engine import Engine
@@ -57,6 +58,9 @@ def config_for(mix: str, overrides: list[str]) -> EngineConfig:
 
 
 def run(args: argparse.Namespace) -> None:
+    # The process `cb bench` and `cb profile` run in (freed memory kept for the next step): a real
+    # run without it pays page faults in every wide step that the profile never measured.
+    opt_in_process_settings()
     torch.set_num_threads(args.threads)
     configs = {mix: config_for(mix, args.set) for mix in args.policy}
     model, tokenizer = load_model(next(iter(configs.values())))
