@@ -41,6 +41,7 @@ from cbcore.bench.sources import load_workload
 from cbcore.bench.stepcost import timed_steps
 from cbcore.bench.suite import prompt_token_ids
 from cbcore.cli.common import scheduler_from_mix
+from cbcore.cli.main import opt_in_process_settings
 from cbcore.cli.options_util import load_model
 from cbcore.config import EngineConfig
 from cbcore.engine import Engine
@@ -57,6 +58,9 @@ def config_for(mix: str, overrides: list[str]) -> EngineConfig:
 
 
 def run(args: argparse.Namespace) -> None:
+    # The process `cb bench` and `cb profile` run in (freed memory kept for the next step): a real
+    # run without it pays page faults in every wide step that the profile never measured.
+    opt_in_process_settings()
     torch.set_num_threads(args.threads)
     configs = {mix: config_for(mix, args.set) for mix in args.policy}
     model, tokenizer = load_model(next(iter(configs.values())))
@@ -94,6 +98,19 @@ def priced(profile: Any, steps: list[list[float]], block_size: int) -> float:
     return total
 
 
+def wider_note(profile: Any, mix: str, tries: list[dict[str, Any]]) -> str:
+    """Real steps wider than any the profile timed: priced by extrapolation, the first suspect of a miss."""
+    timed = getattr(profile.cost, "steps", None)
+    if not timed:
+        return ""
+    widest = max(p + d for _, p, d, *_ in timed)
+    wide = [sum(s[1] + s[2] > widest for s in t["steps"]) for t in tries]
+    if not any(wide):
+        return ""
+    counts = "/".join(str(n) for n in wide)
+    return f"`{mix}`: {counts} real steps wider than the profile's widest timed step ({widest} tokens)"
+
+
 def compare(args: argparse.Namespace) -> None:
     real = json.loads(Path(args.real).read_text())
     for spec in args.profile:
@@ -101,6 +118,7 @@ def compare(args: argparse.Namespace) -> None:
         workload = load_workload(real["workload"], profile.model.vocab_size)
         token_ids = prompt_token_ids(workload, None)
         errors: list[float] = []
+        notes: list[str] = []
         print(f"\n### profile {spec}\n")
         print("| mix | " + " | ".join(FIGURES) + " | preemptions | steps | real steps priced |")
         print("|---" * (len(FIGURES) + 4) + "|")
@@ -122,7 +140,9 @@ def compare(args: argparse.Namespace) -> None:
             )
             cells += [f"{pre} / {sim['preemptions']}", f"{steps} / {sim['steps']}", prices]
             print(f"| `{mix}` | " + " | ".join(cells) + " |")
+            notes.append(wider_note(profile, mix, tries))
         errors.sort()
+        print("\n" + "\n".join(n for n in notes if n))
         print(
             f"\n{len(errors)} figures: median error {100 * statistics.median(errors):.1f} %, "
             f"largest {100 * errors[-1]:.1f} %, above 5 %: {sum(e > 0.05 for e in errors)}, "

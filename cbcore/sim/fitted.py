@@ -125,11 +125,36 @@ def nnls(a: np.ndarray, b: np.ndarray, iterations: int = 200) -> np.ndarray:
     return x
 
 
+def supported_knots(knots: Seq[int], widths: Seq[int]) -> list[int]:
+    """The knots the timed steps determine: none past the widest step, none without a step beside it.
+
+    A knot no timed step lies beside has an all-zero column in the fit, so the
+    solver sets it to 0 s: a grid knot past the widest step measured (the
+    profiler's grid names widths its request groups never reach) then drags
+    ``g`` to 0 there, and steps wider than that (several recomputed prompts
+    at once, past capacity) were priced as almost free. So the widest step
+    measured is the last knot (steps past it are priced in proportion to it),
+    and a knot with no step strictly between its neighbours is dropped.
+    """
+    top = max(widths)
+    kept = sorted({k for k in knots if 0 < k < top} | {top})
+    tokens = np.array(widths)
+    while len(kept) > 1:
+        empty = [
+            j for j, k in enumerate(kept)
+            if not ((tokens > (kept[j - 1] if j else 0)) & (tokens < (kept[j + 1] if j + 1 < len(kept) else top + 1))).any()
+        ]
+        if not empty:
+            break
+        del kept[empty[0]]
+    return kept
+
+
 def fit_cost(shapes: Seq[StepShape], times: Seq[float], knots: Seq[int]) -> FittedCost:
     """Fit on 4 of every 5 steps, report the error on all of them and on the 5th left out."""
     if len(shapes) != len(times) or len(shapes) < 8:
         raise ValueError(f"need at least 8 timed steps to fit a cost model, got {len(shapes)}")
-    knots = sorted(set(knots))
+    knots = supported_knots(knots, [s.num_tokens for s in shapes])
     y = np.array(times, dtype=float)
     x = _design(shapes, knots)
     # Scale columns so the solver sees comparable magnitudes; weight rows by 1/y (relative error).
