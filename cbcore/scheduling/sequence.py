@@ -6,12 +6,13 @@ import enum
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from cbcore.scheduling.request import EMPTY_ATTRS
 from cbcore.scheduling.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # torch is imported where a seeded request needs it: cb simulate never loads it
+    import torch
 
 
 class SequenceStatus(enum.Enum):
@@ -83,6 +84,8 @@ class Sequence:
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         if self.params.seed is not None:
+            import torch
+
             self.generator = torch.Generator(device="cpu").manual_seed(self.params.seed)
         self.view = SeqView(self)
 
