@@ -7,6 +7,8 @@ a user's plugin file would be; each can be switched to behave again
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 from pydantic import ValidationError
 from support import CAPS, PROMPTS
@@ -358,7 +360,16 @@ def test_on_step_end_raising_ends_its_request_after_the_step_it_concerned(models
     assert_clean(engine)
 
 
-def test_a_ctrl_c_inside_a_policy_undoes_the_step_and_stays_a_ctrl_c(models):
+@pytest.fixture
+def python_ctrl_c():
+    """Python's own Ctrl-C handler, as in a plain ``python`` process (door.interrupted reads it): a process
+    a shell starts in the background inherits SIGINT ignored, and Python then installs none."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_a_ctrl_c_inside_a_policy_undoes_the_step_and_stays_a_ctrl_c(models, python_ctrl_c):
     model = models["llama"]
     engine = engine_for(model, {"queue": path("InterruptedAtStepEnd")})
     rid = engine.add_request(PROMPTS[0][:6], SamplingParams(max_new_tokens=3))

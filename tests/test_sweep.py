@@ -25,6 +25,8 @@ def simulate(*args: str) -> int:
 def test_the_sweep_key_is_replaced_or_added_and_checked() -> None:
     assert with_key("poisson:n=4,rate=2,seed=0", "rate", "5") == "poisson:n=4,rate=5,seed=0"
     assert with_key("gamma:n=4", "rate", "5") == "gamma:n=4,rate=5"
+    # the value the spec already has: replaced in place, never given twice
+    assert with_key("poisson:n=6,rate=2", "n", "6") == "poisson:n=6,rate=2"
     sweep = Sweep.parse("rate=1, 2,4")
     assert sweep.values == ("1", "2", "4")
     assert sweep.points("poisson:n=3") == ["poisson:n=3,rate=1", "poisson:n=3,rate=2", "poisson:n=3,rate=4"]

@@ -97,7 +97,7 @@ def with_key(spec: str, key: str, value: str) -> str:
     kind, _, body = spec.partition(":")
     items = [p.strip() for p in body.split(",") if p.strip()]
     replaced = [f"{key}={value}" if p.partition("=")[0].strip() == key else p for p in items]
-    if replaced == items:
+    if not any(p.partition("=")[0].strip() == key for p in items):
         replaced.append(f"{key}={value}")
     return f"{kind}:{','.join(replaced)}"
 
