@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 import ast
+import math
 import os
+import random
 import shlex
 import shutil
 import sqlite3
@@ -42,6 +44,8 @@ PYTEST_ARGS = ["-x", "-q", "-p", "no:cacheprovider"]
 COSMIC_RAY = str(Path(sys.executable).parent / "cosmic-ray")
 LOG_METHODS = {"debug", "info", "warning", "warn", "error", "exception", "critical", "msg"}
 LOG_NAMES = {"log", "logger", "_log", "LOG", "_logger"}
+SAMPLE_MIN = 15
+NOT_SAMPLED = "not in this sample"
 OWN_PACKAGES = "cbcore,cbcore_vllm,policies,backends,tests,support,conftest"
 
 
@@ -126,8 +130,8 @@ class Classifier:
         self.exclude = re.compile("|".join(f"(?:{e})" for e in exclude_operators)) if exclude_operators else None
         self.equivalent = target.equivalent
         for eq in self.equivalent:
-            if not {"operator", "line", "reason"} <= eq.keys():
-                sys.exit(f"mutation.toml: an equivalent mutant of {target.module} needs operator, line, reason: {eq}")
+            if not {"line", "to", "reason"} <= eq.keys():
+                sys.exit(f"mutation.toml: an equivalent mutant of {target.module} needs line, to, reason: {eq}")
             if not any(eq["line"] == line.strip() for line in self.lines):
                 sys.exit(f"mutation.toml: {target.module} has no line {eq['line']!r} (listed as equivalent)")
         self.used_equivalents: set[int] = set()
@@ -139,7 +143,15 @@ class Classifier:
                 inner = name if inner is None or len(name) > len(inner) else inner
         return inner
 
-    def why_skipped(self, operator: str, pos: tuple[int, int]) -> str | None:
+    def mutated_line(self, operator: str, occurrence: int, line: int) -> str:
+        """The line as the mutant has it (cosmic-ray's own mutation of the source)."""
+        from cosmic_ray.mutating import mutate_code
+        from cosmic_ray.plugins import get_operator
+
+        mutated = mutate_code(self.source, get_operator(operator)(), occurrence)
+        return mutated.splitlines()[line - 1].strip() if mutated is not None else ""
+
+    def why_skipped(self, operator: str, occurrence: int, pos: tuple[int, int]) -> str | None:
         function = self.function_at(pos)
         if function is None or not any(function == f or function.startswith(f + ".") for f in self.functions):
             return "outside the configured functions"
@@ -149,7 +161,7 @@ class Classifier:
             return "operator excluded"
         line = self.lines[pos[0] - 1].strip()
         for i, eq in enumerate(self.equivalent):
-            if operator.endswith(eq["operator"]) and line == eq["line"]:
+            if line == eq["line"] and self.mutated_line(operator, occurrence, pos[0]) == eq["to"]:
                 self.used_equivalents.add(i)
                 return f"equivalent: {eq['reason']}"
         return None
@@ -197,10 +209,8 @@ def cosmic_ray(*args: str) -> None:
         sys.exit(f"cosmic-ray {args[0]} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
 
 
-def prepare(target: Target, settings: dict, workdir: Path, timeout: float, test_command: list[str]) -> tuple[Path, Path, int]:
-    """cosmic-ray's session for one target, with the mutants that are not to run marked skipped."""
+def write_config(target: Target, workdir: Path, timeout: float, test_command: list[str]) -> tuple[Path, Path]:
     config = workdir / f"{target.name}.toml"
-    db_path = workdir / f"{target.name}.sqlite"
     config.write_text(
         "[cosmic-ray]\n"
         f"module-path = {target.module!r}\n"
@@ -209,24 +219,49 @@ def prepare(target: Target, settings: dict, workdir: Path, timeout: float, test_
         f"test-command = {shlex.join(test_command)!r}\n"
         "[cosmic-ray.distributor]\nname = 'local'\n"
     )
+    return config, workdir / f"{target.name}.sqlite"
+
+
+def prepare(
+    target: Target, settings: dict, workdir: Path, timeout: float, test_command: list[str], sample: float | None = None
+) -> tuple[Path, Path, int]:
+    """cosmic-ray's session for one target, with the mutants that are not to run marked skipped.
+
+    ``sample``: run only this share of the target's mutants (at least SAMPLE_MIN of them), drawn
+    with a seed fixed per target, so that a busy machine still gets an estimate of the score.
+    """
+    config, db_path = write_config(target, workdir, timeout, test_command)
     cosmic_ray("init", str(config), str(db_path), "--force")
     classifier = Classifier(target, settings.get("exclude-operators", []))
     with use_db(str(db_path), WorkDB.Mode.open) as db:
         for item in list(db.pending_work_items):
             (mutation,) = item.mutations
-            if reason := classifier.why_skipped(mutation.operator_name, tuple(mutation.start_pos)):
+            if reason := classifier.why_skipped(mutation.operator_name, mutation.occurrence, tuple(mutation.start_pos)):
                 db.set_result(item.job_id, WorkResult(output=reason, worker_outcome=WorkerOutcome.SKIPPED))
-        to_run = sum(1 for _ in db.pending_work_items)
+        pending = [item.job_id for item in sorted(db.pending_work_items, key=_position)]
+        if sample is not None:
+            keep = set(random.Random(f"cbcore {target.name}").sample(pending, min(len(pending), max(
+                SAMPLE_MIN, math.ceil(sample * len(pending))))))
+            for job_id in pending:
+                if job_id not in keep:
+                    db.set_result(job_id, WorkResult(output=NOT_SAMPLED, worker_outcome=WorkerOutcome.SKIPPED))
+            pending = sorted(keep)
+        to_run = len(pending)
     if unused := [eq for i, eq in enumerate(target.equivalent) if i not in classifier.used_equivalents]:
         sys.exit(f"mutation.toml: {target.name}: listed equivalents that match no mutant: {unused}")
     return config, db_path, to_run
 
 
-def reopen(target: Target, workdir: Path) -> tuple[Path, Path, int]:
-    """The last session of a target, its survivors marked to run again."""
-    config, db_path = workdir / f"{target.name}.toml", workdir / f"{target.name}.sqlite"
-    if not db_path.exists():
+def _position(item: object) -> tuple:
+    (mutation,) = item.mutations
+    return (tuple(mutation.start_pos), mutation.operator_name, mutation.occurrence)
+
+
+def reopen(target: Target, workdir: Path, timeout: float, test_command: list[str]) -> tuple[Path, Path, int]:
+    """The last session of a target, its survivors marked to run again (with the tests mutation.toml lists now)."""
+    if not (workdir / f"{target.name}.sqlite").exists():
         sys.exit(f"{target.name}: no earlier session in {workdir} to rerun the survivors of")
+    config, db_path = write_config(target, workdir, timeout, test_command)
     with use_db(str(db_path), WorkDB.Mode.open) as db:
         again = [item.job_id for item, result in db.completed_work_items if result.test_outcome == TestOutcome.SURVIVED]
     with sqlite3.connect(db_path) as con:
@@ -234,7 +269,9 @@ def reopen(target: Target, workdir: Path) -> tuple[Path, Path, int]:
     return config, db_path, len(again)
 
 
-def run_target(target: Target, settings: dict, runner: Runner, workdir: Path, survivors_only: bool) -> dict:
+def run_target(
+    target: Target, settings: dict, runner: Runner, workdir: Path, survivors_only: bool, sample: float | None
+) -> dict:
     """Baseline, init, classify, exec, tally: one target's results.
 
     With ``survivors_only``, the target's last session is kept and only its survivors run again
@@ -244,12 +281,15 @@ def run_target(target: Target, settings: dict, runner: Runner, workdir: Path, su
     base = subprocess.run(runner.command(target.tests, learn=True), cwd=ROOT, capture_output=True, text=True)
     baseline_s = time.monotonic() - started
     if base.returncode != 0:
-        sys.exit(f"{target.name}: the tests fail on the unmutated code ({base.returncode}):\n{base.stdout[-4000:]}")
+        print(f"{target.name}: SKIPPED, its tests fail on the unmutated code ({base.returncode}):\n"
+              f"{base.stdout[-3000:]}", flush=True)
+        return {"name": target.name, "module": target.module, "killed": 0, "survived": [], "equivalent": 0,
+                "timeouts": 0, "unsampled": 0, "seconds": time.monotonic() - started, "broken": True}
     timeout = baseline_s * settings.get("timeout_factor", 4) + settings.get("timeout_slack_s", 60)
     if survivors_only:
-        config, db_path, to_run = reopen(target, workdir)
+        config, db_path, to_run = reopen(target, workdir, timeout, runner.command(target.tests))
     else:
-        config, db_path, to_run = prepare(target, settings, workdir, timeout, runner.command(target.tests))
+        config, db_path, to_run = prepare(target, settings, workdir, timeout, runner.command(target.tests), sample)
     print(f"{target.name}: {to_run} mutants, baseline {baseline_s:.1f} s, timeout {timeout:.0f} s", flush=True)
     backup = workdir / f"{target.name}.orig"
     shutil.copyfile(ROOT / target.module, backup)
@@ -263,11 +303,12 @@ def run_target(target: Target, settings: dict, runner: Runner, workdir: Path, su
 
 
 def tally(target: Target, db_path: Path, seconds: float) -> dict:
-    killed, survivors, equivalent, timeouts = 0, [], 0, 0
+    killed, survivors, equivalent, timeouts, unsampled = 0, [], 0, 0, 0
     with use_db(str(db_path), WorkDB.Mode.open) as db:
         for item, result in db.completed_work_items:
             if result.worker_outcome == WorkerOutcome.SKIPPED:
                 equivalent += result.output.startswith("equivalent")
+                unsampled += result.output == NOT_SAMPLED
                 continue
             if result.output and UNREACHABLE_MARK in result.output:
                 sys.exit(f"{target.name}: a test run could not reach the mutation runner: {result.output[-500:]}")
@@ -281,7 +322,7 @@ def tally(target: Target, db_path: Path, seconds: float) -> dict:
                 sys.exit(f"{target.name}: a mutant's run was {result.worker_outcome}/{result.test_outcome}: "
                          f"{(result.output or '')[-1000:]}")
     return {"name": target.name, "module": target.module, "killed": killed, "survived": sorted(survivors),
-            "equivalent": equivalent, "timeouts": timeouts, "seconds": seconds}
+            "equivalent": equivalent, "timeouts": timeouts, "unsampled": unsampled, "seconds": seconds}
 
 
 def report(results: list[dict], wall_s: float, diffs: bool) -> float:
@@ -294,15 +335,30 @@ def report(results: list[dict], wall_s: float, diffs: bool) -> float:
     print("\n== score ==")
     total_k = total_n = 0
     for r in results:
+        if r.get("broken"):
+            print(f"{r['name']:<14} not run: its tests fail on the unmutated code")
+            continue
         n = r["killed"] + len(r["survived"])
         total_k, total_n = total_k + r["killed"], total_n + n
         share = 100 * r["killed"] / n if n else 100.0
+        sampled = f", {r['unsampled']} not in the sample" if r["unsampled"] else ""
         print(f"{r['name']:<14} {r['killed']:>4}/{n:<4} killed ({share:5.1f} %), {r['equivalent']} equivalent "
-              f"left out, {r['timeouts']} by timeout, {r['seconds']:.0f} s")
+              f"left out{sampled}, {r['timeouts']} by timeout, {r['seconds']:.0f} s")
     score = 100 * total_k / total_n if total_n else 100.0
     print(f"{'all':<14} {total_k:>4}/{total_n:<4} killed ({score:5.1f} %)")
+    if any(r["unsampled"] for r in results) and total_n:
+        low, high = wilson(total_k, total_n)
+        print(f"(a sample: 95 % interval of the share killed over all mutants {low:.1f}-{high:.1f} %)")
     print(f"wall time {wall_s / 60:.1f} min")
     return score
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval of a share k/n, in percent."""
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return 100 * (centre - half), 100 * (centre + half)
 
 
 def main() -> None:
@@ -313,6 +369,8 @@ def main() -> None:
     parser.add_argument("--fail-under", type=float, default=90.0, help="exit 1 below this share killed (%%)")
     parser.add_argument("--survivors", action="store_true",
                         help="rerun only the last session's survivors (after adding tests)")
+    parser.add_argument("--sample", type=float, help=f"run only this share of each target's mutants "
+                        f"(at least {SAMPLE_MIN}; a seeded draw): an estimate, for a busy machine")
     parser.add_argument("--count", action="store_true", help="only count the mutants each target would run")
     parser.add_argument("--no-diffs", action="store_true", help="list survivors without their diffs")
     args = parser.parse_args()
@@ -332,11 +390,11 @@ def main() -> None:
         return
     runner = Runner(args.workdir)
     try:
-        results = [run_target(t, settings, runner, args.workdir, args.survivors) for t in chosen]
+        results = [run_target(t, settings, runner, args.workdir, args.survivors, args.sample) for t in chosen]
     finally:
         runner.close()
     score = report(results, time.monotonic() - started, not args.no_diffs)
-    sys.exit(0 if score >= args.fail_under else 1)
+    sys.exit(0 if score >= args.fail_under and not any(r.get("broken") for r in results) else 1)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,9 @@ OUTPUT_TAIL = 20_000
 
 def serve(sock_path: str, root: str, own: list[str]) -> None:
     sys.dont_write_bytecode = True
+    # A shell starts a background job with SIGINT ignored, and Python then installs no KeyboardInterrupt
+    # handler: the tests of Ctrl-C handling need the handler an interactive `python` would have.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(sock_path)
     server.listen(1)
