@@ -27,6 +27,7 @@ import shutil
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import time
 import tomllib
 from dataclasses import dataclass, field
@@ -371,6 +372,7 @@ def main() -> None:
                         help="rerun only the last session's survivors (after adding tests)")
     parser.add_argument("--sample", type=float, help=f"run only this share of each target's mutants "
                         f"(at least {SAMPLE_MIN}; a seeded draw): an estimate, for a busy machine")
+    parser.add_argument("--report", action="store_true", help="only print the last sessions' results")
     parser.add_argument("--count", action="store_true", help="only count the mutants each target would run")
     parser.add_argument("--no-diffs", action="store_true", help="list survivors without their diffs")
     args = parser.parse_args()
@@ -379,14 +381,22 @@ def main() -> None:
     if unknown := set(args.target) - {t.name for t in targets}:
         sys.exit(f"no target named {sorted(unknown)} in {args.config}")
     chosen = [t for t in targets if not args.target or t.name in args.target]
+    if args.report:
+        missing = [t.name for t in chosen if not (args.workdir / f"{t.name}.sqlite").exists()]
+        if missing:
+            sys.exit(f"no session in {args.workdir} for {missing}")
+        report([tally(t, args.workdir / f"{t.name}.sqlite", 0.0) for t in chosen], time.monotonic() - started,
+               not args.no_diffs)
+        return
     dirty = subprocess.run(["git", "status", "--porcelain", "--", *(t.module for t in chosen)], cwd=ROOT,
                            capture_output=True, text=True).stdout
     if dirty.strip():
         sys.exit(f"uncommitted changes in the modules to mutate (commit or stash them first):\n{dirty}")
     args.workdir.mkdir(exist_ok=True)
-    if args.count:
-        for t in chosen:
-            print(f"{t.name}: {prepare(t, settings, args.workdir, 1, ['true'])[2]} mutants to run", flush=True)
+    if args.count:  # in a scratch directory: the sessions in workdir stay as they are
+        with tempfile.TemporaryDirectory() as scratch:
+            for t in chosen:
+                print(f"{t.name}: {prepare(t, settings, Path(scratch), 1, ['true'])[2]} mutants to run", flush=True)
         return
     runner = Runner(args.workdir)
     try:

@@ -1,0 +1,28 @@
+"""The block manager's construction: what it refuses, and that it caches prefixes only when asked."""
+
+from __future__ import annotations
+
+import pytest
+
+from cbcore.scheduling.block_manager import BlockManager
+from cbcore.scheduling.sampling_params import SamplingParams
+from cbcore.scheduling.sequence import Sequence
+
+
+@pytest.mark.parametrize(("num_blocks", "block_size"), [(0, 4), (4, 0), (-1, 4)])
+def test_no_blocks_or_empty_blocks_are_refused(num_blocks: int, block_size: int) -> None:
+    with pytest.raises(ValueError, match="need num_blocks >= 1 and block_size >= 1"):
+        BlockManager(num_blocks, block_size)
+    BlockManager(1, 1)  # the smallest there is
+
+
+def test_without_prefix_caching_a_finished_prompt_leaves_nothing_to_find() -> None:
+    blocks = BlockManager(8, 4)
+    first = Sequence("first", list(range(9)), SamplingParams())
+    blocks.grow(first, 9)
+    first.num_computed_tokens = 9
+    blocks.register_computed(first)
+    blocks.free(first)
+    assert blocks.num_cached_blocks == 0 and blocks.num_free_blocks == 8
+    again = Sequence("again", list(range(9)), SamplingParams())
+    assert blocks.lookup(again) == 0 and blocks.acquire_cached(again) == 0 and again.block_table == []
