@@ -89,18 +89,18 @@ def test_a_request_stops_on_eos_unless_it_ignores_eos_and_on_each_of_its_stop_to
     assert (seq.finish_reason.value if seq.finish_reason else None) == reason
 
 
-def test_a_request_ends_by_length_at_its_max_new_tokens_or_at_the_models_context_not_before() -> None:
-    s, seq = finishing(Params(max_new_tokens=3), output=1)
+@pytest.mark.parametrize(
+    ("params", "max_model_len"),
+    [(Params(max_new_tokens=3), None), (Params(max_new_tokens=50), 6)],  # 3 prompt tokens + 1 generated
+    ids=["max_new_tokens", "context"],
+)
+def test_a_request_ends_by_length_at_its_max_new_tokens_or_at_the_models_context_not_before(
+    params: Params, max_model_len: int | None
+) -> None:
+    s, seq = finishing(params, output=1, max_model_len=max_model_len)
     seq.append_token(5, 1.0)
     s.finish_rule(seq, 5, 1.0)
-    assert not seq.is_finished  # 2 of 3
-    seq.append_token(5, 2.0)
-    s.finish_rule(seq, 5, 2.0)
-    assert seq.finish_reason.value == "length"
-    s, seq = finishing(Params(max_new_tokens=50), output=1, max_model_len=6)  # 3 prompt tokens + 1
-    seq.append_token(5, 1.0)
-    s.finish_rule(seq, 5, 1.0)
-    assert not seq.is_finished  # 5 of 6
+    assert not seq.is_finished  # one short of the limit
     seq.append_token(5, 2.0)
     s.finish_rule(seq, 5, 2.0)
     assert seq.finish_reason.value == "length"
