@@ -263,8 +263,17 @@ def reopen(target: Target, workdir: Path, timeout: float, test_command: list[str
     if not (workdir / f"{target.name}.sqlite").exists():
         sys.exit(f"{target.name}: no earlier session in {workdir} to rerun the survivors of")
     config, db_path = write_config(target, workdir, timeout, test_command)
+    classifier = Classifier(target, [])  # an equivalent listed since: left out, not run again
     with use_db(str(db_path), WorkDB.Mode.open) as db:
-        again = [item.job_id for item, result in db.completed_work_items if result.test_outcome == TestOutcome.SURVIVED]
+        survived = [item for item, result in db.completed_work_items if result.test_outcome == TestOutcome.SURVIVED]
+        again = []
+        for item in survived:
+            (mutation,) = item.mutations
+            reason = classifier.why_skipped(mutation.operator_name, mutation.occurrence, tuple(mutation.start_pos))
+            if reason is not None and reason.startswith("equivalent"):
+                db.set_result(item.job_id, WorkResult(output=reason, worker_outcome=WorkerOutcome.SKIPPED))
+            else:
+                again.append(item.job_id)
     with sqlite3.connect(db_path) as con:
         con.executemany("DELETE FROM work_results WHERE job_id = ?", [(j,) for j in again])
     return config, db_path, len(again)
