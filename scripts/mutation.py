@@ -162,6 +162,9 @@ class Classifier:
             return "operator excluded"
         line = self.lines[pos[0] - 1].strip()
         for i, eq in enumerate(self.equivalent):
+            before = self.lines[pos[0] - 2].strip() if pos[0] > 1 else ""
+            if "previous" in eq and before != eq["previous"]:
+                continue
             if line == eq["line"] and self.mutated_line(operator, occurrence, pos[0]) == eq["to"]:
                 self.used_equivalents.add(i)
                 return f"equivalent: {eq['reason']}"

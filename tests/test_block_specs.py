@@ -26,3 +26,16 @@ def test_without_prefix_caching_a_finished_prompt_leaves_nothing_to_find() -> No
     assert blocks.num_cached_blocks == 0 and blocks.num_free_blocks == 8
     again = Sequence("again", list(range(9)), SamplingParams())
     assert blocks.lookup(again) == 0 and blocks.acquire_cached(again) == 0 and again.block_table == []
+
+
+def test_swapping_in_needs_room_for_the_new_tokens_as_well_as_the_host_copy() -> None:
+    blocks = BlockManager(5, 4, num_host_blocks=4)
+    seq = Sequence("s", list(range(8)), SamplingParams())
+    blocks.grow(seq, 8)
+    seq.num_computed_tokens = 8
+    blocks.swap_out(seq)  # 2 host blocks
+    filler = Sequence("filler", [1] * 8, SamplingParams())
+    blocks.grow(filler, 8)  # 3 device blocks left free
+    assert blocks.num_free_blocks == 3
+    assert blocks.can_swap_in(seq) and blocks.can_swap_in(seq, 4)  # 12 tokens: 3 blocks
+    assert not blocks.can_swap_in(seq, 5)  # 13 tokens: 4 blocks

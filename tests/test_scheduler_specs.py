@@ -8,7 +8,9 @@ the requests behind it are still admitted in that step.
 
 from __future__ import annotations
 
-from cbcore.policies import FCFS, ChunkedPrefill, Priority, Swap, TokenBudget, WholePrompt
+import pytest
+
+from cbcore.policies import FCFS, ChunkedPrefill, Priority, Recompute, Swap, TokenBudget, WholePrompt
 from cbcore.policies.chunked_prefill import ChunkedPrefillParams
 from cbcore.policies.token_budget import TokenBudgetParams
 from cbcore.scheduling.sequence import SequenceStatus
@@ -37,11 +39,12 @@ def test_a_request_the_budget_refuses_does_not_hold_back_those_behind_it() -> No
     assert run.seqs["b"].status is SequenceStatus.WAITING
 
 
-def test_a_partial_prefill_taken_back_by_a_preemption_in_its_step_is_not_counted() -> None:
-    # 5 blocks of 4. "low" runs 8-token chunks of a 24-token prompt; when "urgent" arrives, low's next
-    # chunk is planned first (phase 1), then urgent, which does not fit, preempts it (phase 3).
+@pytest.mark.parametrize("prompt", [24, 16], ids=["partial-chunk-taken-back", "final-chunk-taken-back"])
+def test_a_prefill_chunk_taken_back_by_a_preemption_in_its_step_is_not_counted(prompt: int) -> None:
+    # 5 blocks of 4. "low" runs 8-token chunks; when "urgent" arrives, low's next chunk (partial of 24
+    # tokens, or the last of 16) is planned first (phase 1), then urgent, which does not fit, preempts it.
     run = FakeRun(Priority(), budget(4, 64), ChunkedPrefill(ChunkedPrefillParams(chunk_size=8)), num_blocks=5)
-    run.add("low", prompt_len=24, max_new=2, priority=5)
+    run.add("low", prompt_len=prompt, max_new=2, priority=5)
     run.step()
     run.add("urgent", prompt_len=20, max_new=2, priority=0)
     step = run.step()
@@ -58,6 +61,7 @@ def test_a_request_too_big_for_the_whole_cache_fails_and_those_behind_it_are_adm
     step = run.step()
     assert [s.request_id for s in step.out.failed] == ["huge"] and step.first_time == ["small"]
     assert run.seqs["huge"].finish_reason.value == "error"
+    assert "needs 10 KV blocks for 40 tokens but the cache has 4 blocks of 4" in run.seqs["huge"].error
 
 
 def test_each_swap_that_falls_back_to_a_recompute_is_counted_once() -> None:
@@ -75,3 +79,66 @@ def test_each_swap_that_falls_back_to_a_recompute_is_counted_once() -> None:
             fallbacks += seq.status is SequenceStatus.WAITING
     assert fallbacks > 0 and run.sched.num_preemptions == fallbacks + swapped
     assert run.sched.num_swap_fallbacks == fallbacks
+
+
+class Defers(ChunkedPrefill):
+    """Chunks of 4, except that it gives the requests named in ``deferred`` no tokens (0: not this step)."""
+
+    name = "defers"
+
+    def __init__(self, deferred: set[str]) -> None:
+        super().__init__(ChunkedPrefillParams(chunk_size=4))
+        self.deferred = deferred
+
+    def num_tokens(self, seq, tokens_left, scheduled):
+        return 0 if seq.request_id in self.deferred else super().num_tokens(seq, tokens_left, scheduled)
+
+
+def test_a_running_prompt_given_no_tokens_sits_the_step_out_and_the_others_run() -> None:
+    deferred: set[str] = set()
+    run = FakeRun(FCFS(), budget(4, 64), Defers(deferred))
+    run.add("a", prompt_len=12, max_new=3)
+    run.add("b", prompt_len=12, max_new=3)
+    run.step()
+    deferred.add("b")
+    assert [c[0] for c in run.step().chunks] == ["a"]
+    deferred.clear()
+    run.run()
+    assert all(s.num_output_tokens == 3 for s in run.seqs.values())
+
+
+def test_a_waiting_request_given_no_tokens_preempts_nobody_and_stops_admission() -> None:
+    deferred = {"urgent"}
+    run = FakeRun(Priority(), budget(4, 64), Defers(deferred), num_blocks=4)
+    run.add("low", prompt_len=12, max_new=4, priority=5)
+    run.step()
+    run.add("urgent", prompt_len=8, max_new=2, priority=0)
+    run.add("after", prompt_len=1, max_new=1, priority=1)
+    step = run.step()
+    assert not step.out.preempted and step.first_time == [] and run.sched.num_preemptions == 0
+
+
+class Recording(Recompute):
+    """Recompute that keeps the candidates it is asked to choose among."""
+
+    name = "recording"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: list[int] = []
+
+    def choose_victim(self, candidates, queue, now):
+        self.asked.append(len(candidates))
+        return super().choose_victim(candidates, queue, now)
+
+
+def test_the_preemption_policy_is_asked_only_when_there_is_a_choice() -> None:
+    # 5 blocks of 4, two 8-token prompts (2 blocks each): at their first decode both need a third block;
+    # "a" takes the free one, and "b", the only candidate left, is its own victim without asking.
+    policy = Recording()
+    run = FakeRun(FCFS(), budget(4, 64), WholePrompt(), policy, num_blocks=5)
+    run.add("a", prompt_len=8, max_new=6)
+    run.add("b", prompt_len=8, max_new=6)
+    run.run()
+    assert run.sched.num_preemptions > 0
+    assert all(n >= 2 for n in policy.asked), policy.asked
