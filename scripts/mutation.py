@@ -315,7 +315,7 @@ def run_target(
     return tally(target, db_path, time.monotonic() - started)
 
 
-def tally(target: Target, db_path: Path, seconds: float) -> dict:
+def tally(target: Target, db_path: Path, seconds: float | None) -> dict:
     killed, survivors, equivalent, timeouts, unsampled = 0, [], 0, 0, 0
     with use_db(str(db_path), WorkDB.Mode.open) as db:
         for item, result in db.completed_work_items:
@@ -338,7 +338,7 @@ def tally(target: Target, db_path: Path, seconds: float) -> dict:
             "equivalent": equivalent, "timeouts": timeouts, "unsampled": unsampled, "seconds": seconds}
 
 
-def report(results: list[dict], wall_s: float, diffs: bool) -> float:
+def report(results: list[dict], wall_s: float | None, diffs: bool) -> float:
     print("\n== survivors ==")
     for r in results:
         for line, operator, diff in r["survived"]:
@@ -356,13 +356,14 @@ def report(results: list[dict], wall_s: float, diffs: bool) -> float:
         share = 100 * r["killed"] / n if n else 100.0
         sampled = f", {r['unsampled']} not in the sample" if r["unsampled"] else ""
         print(f"{r['name']:<14} {r['killed']:>4}/{n:<4} killed ({share:5.1f} %), {r['equivalent']} equivalent "
-              f"left out{sampled}, {r['timeouts']} by timeout, {r['seconds']:.0f} s")
+              f"left out{sampled}, {r['timeouts']} by timeout" + ("" if r["seconds"] is None else f", {r['seconds']:.0f} s"))
     score = 100 * total_k / total_n if total_n else 100.0
     print(f"{'all':<14} {total_k:>4}/{total_n:<4} killed ({score:5.1f} %)")
     if any(r["unsampled"] for r in results) and total_n:
         low, high = wilson(total_k, total_n)
         print(f"(a sample: 95 % interval of the share killed over all mutants {low:.1f}-{high:.1f} %)")
-    print(f"wall time {wall_s / 60:.1f} min")
+    if wall_s is not None:
+        print(f"wall time {wall_s / 60:.1f} min")
     return score
 
 
@@ -397,8 +398,7 @@ def main() -> None:
         missing = [t.name for t in chosen if not (args.workdir / f"{t.name}.sqlite").exists()]
         if missing:
             sys.exit(f"no session in {args.workdir} for {missing}")
-        report([tally(t, args.workdir / f"{t.name}.sqlite", 0.0) for t in chosen], time.monotonic() - started,
-               not args.no_diffs)
+        report([tally(t, args.workdir / f"{t.name}.sqlite", None) for t in chosen], None, not args.no_diffs)
         return
     dirty = subprocess.run(["git", "status", "--porcelain", "--", *(t.module for t in chosen)], cwd=ROOT,
                            capture_output=True, text=True).stdout
