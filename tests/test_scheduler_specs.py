@@ -142,3 +142,44 @@ def test_the_preemption_policy_is_asked_only_when_there_is_a_choice() -> None:
     run.run()
     assert run.sched.num_preemptions > 0
     assert all(n >= 2 for n in policy.asked), policy.asked
+
+
+def test_an_abort_ends_a_request_as_aborted_or_with_the_error_the_engine_recorded_on_it() -> None:
+    run = FakeRun(FCFS(), budget(4, 64), WholePrompt())
+    plain, failed = run.add("plain", prompt_len=4), run.add("failed", prompt_len=4)
+    run.step()
+    failed.error = "the sampler failed on it"
+    assert run.sched.abort("plain") is plain and run.sched.abort("failed") is failed
+    assert (plain.finish_reason.value, plain.error) == ("abort", None)
+    assert (failed.finish_reason.value, failed.error) == ("error", "the sampler failed on it")
+    assert run.sched.abort("plain") is None and not run.sched.has_unfinished()
+
+
+class StepCounting(TokenBudget):
+    """A token budget that keeps the step index of every state it is shown."""
+
+    name = "step-counting"
+
+    def __init__(self) -> None:
+        super().__init__(TokenBudgetParams(max_num_seqs=4, max_num_batched_tokens=64))
+        self.seen: list[int] = []
+
+    def limits(self, state):
+        self.seen.append(state.step)
+        return super().limits(state)
+
+
+def test_the_policies_see_the_step_index_count_one_per_step() -> None:
+    policy = StepCounting()
+    run = FakeRun(FCFS(), policy, WholePrompt())
+    run.add("a", prompt_len=4, max_new=3)
+    run.run()
+    assert policy.seen == [1, 2, 3] and run.sched.step_index == 3
+
+
+def test_a_running_request_that_outgrows_the_whole_cache_alone_fails_naming_its_size() -> None:
+    run = FakeRun(FCFS(), budget(4, 64), WholePrompt(), num_blocks=2)  # 8 slots
+    seq = run.add("long", prompt_len=6, max_new=10)
+    run.run()
+    assert seq.finish_reason.value == "error"
+    assert "needs 3 KV blocks for 9 tokens but the cache has 2 blocks of 4" in seq.error
