@@ -183,3 +183,36 @@ def test_a_running_request_that_outgrows_the_whole_cache_alone_fails_naming_its_
     run.run()
     assert seq.finish_reason.value == "error"
     assert "needs 3 KV blocks for 9 tokens but the cache has 2 blocks of 4" in seq.error
+
+
+class Shrinking(TokenBudget):
+    """Three sequences a step for the first two steps, then two: a limit that drops below the running set."""
+
+    name = "shrinking"
+
+    def __init__(self) -> None:
+        super().__init__(TokenBudgetParams(max_num_seqs=3, max_num_batched_tokens=64))
+
+    def limits(self, state):
+        limits = super().limits(state)
+        return type(limits)(max_num_seqs=3 if state.step <= 2 else 2, max_num_tokens=limits.max_num_tokens)
+
+
+@pytest.mark.parametrize("order", ["decode-first", "prefill-first"])
+def test_a_step_never_schedules_more_sequences_than_its_limit_even_below_the_running_count(order: str) -> None:
+    run = FakeRun(FCFS(), Shrinking(), ChunkedPrefill(ChunkedPrefillParams(chunk_size=4)), order=order)
+    for rid in "abc":
+        run.add(rid, prompt_len=6, max_new=5)
+    run.run()
+    assert [len(s.out.scheduled) for s in run.steps][:2] == [3, 3]
+    assert all(len(s.out.scheduled) <= 2 for s in run.steps[2:])
+    assert all(s.num_output_tokens == 5 for s in run.seqs.values())
+
+
+def test_more_decodes_than_the_token_budget_take_turns() -> None:
+    run = FakeRun(FCFS(), budget(4, 2), ChunkedPrefill())
+    for rid in "abc":
+        run.add(rid, prompt_len=2, max_new=3)
+    run.run()
+    assert all(s.plan.num_tokens <= 2 for s in run.steps)
+    assert all(s.num_output_tokens == 3 for s in run.seqs.values())
