@@ -16,7 +16,8 @@ import threading
 import pytest
 
 from cbcore.policies import FCFS, ChunkedPrefill, Recompute, TokenBudget
-from cbcore.scheduling.door import SIGNALLED, Door, PolicyError, interrupted
+from cbcore.scheduling.door import SIGNALLED, Door, GuardedScheduler, PolicyError, interrupted
+from cbcore.scheduling.policy import StepLimits
 from cbcore.scheduling.sampling_params import SamplingParams
 from cbcore.scheduling.sequence import Sequence
 
@@ -133,3 +134,93 @@ def test_an_arrival_refused_by_one_policy_is_that_policys_error_even_if_taking_i
     with pytest.raises(PolicyError, match=r"budget policy 'refuses-arrivals' raised in on_arrival\(\)") as caught:
         d.arrived(seqs("a")[0], 0.0)
     assert caught.value.request_id == "a"
+
+
+class Limited(TokenBudget):
+    name = "limited"
+
+    def __init__(self, seqs: object, tokens: object) -> None:
+        super().__init__()
+        self.answer = (seqs, tokens)
+
+    def limits(self, state):
+        return StepLimits(*self.answer)
+
+
+@pytest.mark.parametrize("answer", [(0, 8), (2, 0), (2.5, 8), (2, 8.0), (True, 8)])
+def test_limits_must_be_two_ints_of_at_least_one(answer) -> None:
+    with pytest.raises(PolicyError, match=r"limits\(\) returns StepLimits of two ints >= 1"):
+        door(budget=Limited(*answer)).limits(None)
+    assert door(budget=Limited(1, 1)).limits(None) == StepLimits(1, 1)
+
+
+class KeyFails(FCFS):
+    name = "key-fails"
+    _fixed_keys = False
+
+    def key(self, seq, now):
+        if seq.request_id == "b":
+            raise LookupError("no key for b")
+        return seq.request_id
+
+
+class OutranksFails(FCFS):
+    name = "outranks-fails"
+
+    def outranks(self, a, b, now):
+        raise LookupError("cannot rank")
+
+
+def test_a_key_or_outranks_that_raises_is_the_queues_error_about_the_request_it_concerned() -> None:
+    a, b = seqs("a", "b")
+    with pytest.raises(PolicyError, match=r"raised in key\(\) for request 'b'") as caught:
+        door(KeyFails()).order([a, b], 0.0)
+    assert caught.value.request_id == "b"
+    with pytest.raises(PolicyError, match=r"raised in outranks\(\)") as caught:
+        door(OutranksFails()).outranks(a, b, 0.0)
+    assert caught.value.request_id == "a"
+
+
+class Keyed(FCFS):
+    name = "keyed"
+    _fixed_keys = False  # asked every step
+
+
+def test_a_call_that_returns_after_the_watchdog_marked_it_overdue_fails_its_request() -> None:
+    a, b, c = seqs("a", "b", "c")
+    d = door(Keyed())
+    assert d.order([a, b, c], 0.0) == [a, b, c]  # nothing overdue: nothing fails
+    d.overdue = (b, "queue policy 'keyed'", "took longer than the watchdog's bound")
+    with pytest.raises(PolicyError, match=r"took longer than the watchdog's bound \(request 'b'\)") as caught:
+        d.order([a, b, c], 0.0)
+    assert caught.value.request_id == "b" and d.overdue is None
+
+
+class WholePlugin:
+    """A whole-scheduler plugin: its own methods, each raising."""
+
+    blocks = None
+    note = "read through"
+
+    def add(self, seq):
+        raise ValueError("add failed")
+
+    def schedule(self):
+        raise ValueError("schedule failed")
+
+    def helper(self):
+        raise ValueError("helper failed")
+
+
+def test_a_whole_scheduler_plugins_failures_are_named_after_it_and_its_other_attributes_read_through() -> None:
+    guarded = GuardedScheduler(WholePlugin(), "scheduler 'whole'")
+    (seq,) = seqs("r")
+    with pytest.raises(PolicyError, match=r"scheduler 'whole' raised in add\(\) for request 'r'") as caught:
+        guarded.add(seq)
+    assert caught.value.request_id == "r"
+    with pytest.raises(PolicyError, match=r"raised in schedule\(\)") as caught:
+        guarded.schedule()
+    assert caught.value.request_id is None
+    assert guarded.note == "read through"
+    with pytest.raises(ValueError, match="helper failed"):  # not one of the scheduler's methods: not guarded
+        guarded.helper()
