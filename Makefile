@@ -46,7 +46,7 @@ define vllm_venv
 endef
 VLLM_DEPS := pyproject.toml $(CONTRIB) contrib/vllm/pyproject.toml contrib/vllm/vllm_requirements.py
 
-.PHONY: setup vllm-setup vllm-sched-setup demo test test-vllm-sched lint bench clean
+.PHONY: setup vllm-setup vllm-sched-setup demo test test-vllm-sched lint bench mutation clean
 
 $(STAMP): pyproject.toml $(CONTRIB) contrib/vllm/pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -86,6 +86,13 @@ test-vllm-sched: vllm-setup vllm-sched-setup
 		CBCORE_VLLM_EXPECT=$${pair%%:*} $${pair#*:}/bin/python -m pytest -v -p no:cacheprovider $(VLLM_SCHED_TESTS) || exit 1; \
 	done
 
+# Mutation testing (docs/testing.md): cosmic-ray plants one bug at a time in the functions
+# mutation.toml lists and runs the tests that concern them; prints the share killed, the
+# survivors and the wall time. MUTATION_ARGS: e.g. --target step, --sample 0.1, --survivors.
+mutation: setup
+	$(PY) -c "import cosmic_ray" 2>/dev/null || $(PIP) install -q -e ".[mutation]"
+	$(PY) scripts/mutation.py $(MUTATION_ARGS)
+
 lint: setup
 	$(VENV)/bin/ruff check .
 
@@ -93,4 +100,4 @@ bench: setup
 	$(VENV)/bin/cb bench --workload seed --policy fcfs --policy static --baseline hf-static
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(foreach v,$(VLLM_SCHED_VERSIONS),.venv-vllm-$(v)) .pytest_cache .ruff_cache .benchmarks
+	rm -rf $(VENV) $(VLLM_VENV) $(foreach v,$(VLLM_SCHED_VERSIONS),.venv-vllm-$(v)) .pytest_cache .ruff_cache .benchmarks .mutation
