@@ -93,7 +93,9 @@ def test_fifty_mb_bodies_are_refused_without_stalling_health_a_stream_or_memory(
     unloaded = pacer.mean_gap(t0, t1) / 2 + pacer.mean_gap(t2, t3) / 2
     loaded = pacer.mean_gap(t1, t2)
     print(f"\ninter-token gap: {unloaded * 1e3:.1f} ms unloaded, {loaded * 1e3:.1f} ms while refusing")
-    assert loaded < 2 * unloaded, (unloaded, loaded)
+    # A body read on the event loop stalls every stream for seconds (the bug this guards); the margin
+    # keeps a busy shared machine's jitter (2.3 ms unloaded against 5.1 ms once) from failing it.
+    assert loaded < 2 * unloaded + 0.25, (unloaded, loaded)
     worst = max(latency for _, latency in probe.latencies)
     print(f"/health: {len(probe.latencies)} probes, slowest {worst * 1e3:.0f} ms")
     assert len(probe.latencies) >= 5 and worst < 0.5
