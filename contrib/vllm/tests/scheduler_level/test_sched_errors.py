@@ -4,6 +4,7 @@ version's per-request error path (the adapter's shim), in sync and async schedul
 from __future__ import annotations
 
 import signal
+from collections.abc import Iterator
 
 import pytest
 from cbcore_vllm._cbcore import SIGNALLED
@@ -50,6 +51,17 @@ def _tokens(driver, rid: str) -> list[int]:
     return [t for o in driver.outputs if o.request_id == rid for t in o.new_token_ids]
 
 
+@pytest.fixture
+def process_signals() -> Iterator[None]:
+    """This process's SIGINT and SIGTERM handlers and SIGNALLED as they were: the adapter wraps the handlers
+    it finds (cbcore_vllm.signals), and a test that shows it others must not leave them to the next test."""
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for signum, handler in handlers.items():
+        signal.signal(signum, handler)
+    SIGNALLED.clear()
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
 @pytest.mark.parametrize(
     "mischief",
@@ -57,7 +69,7 @@ def _tokens(driver, rid: str) -> list[int]:
     ids=["raise-at-arrival", "exit-at-arrival", "interrupt-at-arrival", "exit-mid-decode"],
 )
 def test_a_plugin_failing_about_one_request_ends_it_alone_and_the_others_are_served(
-    mischief: dict, mode: str, monkeypatch: pytest.MonkeyPatch
+    mischief: dict, mode: str, monkeypatch: pytest.MonkeyPatch, process_signals: None
 ) -> None:
     """RuntimeError, SystemExit or KeyboardInterrupt from key() about B: B ends with an error, vLLM's scheduler
     lives on, the others run to their length in the order they have beside a harmless B, nothing stays held."""
@@ -88,19 +100,16 @@ def test_a_plugin_failing_about_one_request_ends_it_alone_and_the_others_are_ser
         assert done["B"].error.code == "plugin_error"
 
 
-def test_a_signal_during_a_policy_call_stays_a_shutdown(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_signal_during_a_policy_call_stays_a_shutdown(process_signals: None) -> None:
     """vLLM's engine core raises SystemExit from its SIGTERM handler: arriving while key() runs, it must stop
     the engine as a shutdown (cbcore_vllm.signals), not end the request key() was asked about."""
 
     def vllm_handler(signum: int, frame: object) -> None:  # what vLLM's engine core installs
         raise SystemExit()
 
-    previous = signal.signal(signal.SIGTERM, vllm_handler)
-    monkeypatch.setattr(SIGNALLED, "_flag", False)  # restored afterwards: the flag is process-wide
-    try:
-        config = {"plugins": [PLUGIN], "scheduler": {"queue": {"name": "longest-prompt-first"}}}
-        with pytest.raises(SystemExit):
-            drive(config, _mixed({"mischief": "sigterm", "after": 2}), max_num_seqs=4, max_num_batched_tokens=64)
-        assert SIGNALLED.is_set()
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    signal.signal(signal.SIGTERM, vllm_handler)
+    SIGNALLED.clear()
+    config = {"plugins": [PLUGIN], "scheduler": {"queue": {"name": "longest-prompt-first"}}}
+    with pytest.raises(SystemExit):
+        drive(config, _mixed({"mischief": "sigterm", "after": 2}), max_num_seqs=4, max_num_batched_tokens=64)
+    assert SIGNALLED.is_set()
