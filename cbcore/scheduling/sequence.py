@@ -41,7 +41,7 @@ class Sequence:
     """
 
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: tuple[int, ...]  # any sequence of ints given; kept as a tuple, shared with the view
     params: SamplingParams
     priority: int = 0
     client_id: str = "default"
@@ -82,6 +82,7 @@ class Sequence:
     view: SeqView = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self.prompt_token_ids = tuple(self.prompt_token_ids)
         self.token_ids = list(self.prompt_token_ids)
         if self.params.seed is not None:
             import torch
@@ -161,7 +162,7 @@ class SeqView:
         put(self, "_blocks", blocks)  # the block manager, for a waiting sequence's cached prefix
         for name in self._COPIED:  # fixed for the request's life
             put(self, name, getattr(seq, name))
-        put(self, "prompt_token_ids", tuple(seq.prompt_token_ids))
+        put(self, "prompt_token_ids", seq.prompt_token_ids)  # a tuple already: shared, not copied
         put(self, "num_prompt_tokens", len(seq.prompt_token_ids))
 
     def __setattr__(self, name: str, value: object) -> None:
