@@ -13,7 +13,11 @@ its own checkout:
 
 Only the APIs both sides share are used (``build_scheduler``, the queues,
 ``check_plan``, ``Engine.generate``, ``step_listeners``), so a checkout from
-before the scheduler merge runs it as is. Usage (each checkout with its own
+before the scheduler merge runs it as is. Each child runs as the ``cb``
+application does: a checkout whose library no longer sets the process's
+allocator itself gets the application's opt-in
+(``cbcore.cli.main.opt_in_process_settings``), so both sides step with the
+same allocator behaviour. Usage (each checkout with its own
 venv)::
 
     python scripts/step_ab.py --a /path/to/base/.venv/bin/python --b .venv/bin/python --rounds 5
@@ -38,6 +42,12 @@ from cbcore.scheduling.sequence import Sequence, SequenceStatus
 from cbcore.scheduling.step import check_plan
 
 reps = int(sys.argv[1])
+try:  # the allocator setting is the application's opt-in; older checkouts set it in the library
+    from cbcore.cli.main import opt_in_process_settings
+except ImportError:
+    pass
+else:
+    opt_in_process_settings()
 config = EngineConfig.model_validate({"scheduler": {"budget": {
     "name": "token-budget", "max_num_seqs": 512, "max_num_batched_tokens": 2048}}})
 
@@ -74,7 +84,7 @@ engine = Engine.from_pretrained()
 steps = []
 engine.step_listeners.append(lambda r: steps.append(r.stats))
 prompts = [[3 + (i * 13 + j) % 40000 for j in range(128)] for i in range(16)]
-engine.generate(prompts, SamplingParams(max_new_tokens=48, ignore_eos=True))
+engine.generate(prompts, SamplingParams(max_new_tokens=96, ignore_eos=True))
 decode = [s.total_s for s in steps if s.num_seqs == 16 and s.num_prefill_tokens == 0]
 print(json.dumps({"schedule_us": schedule_us, "decode_ms": 1e3 * statistics.median(decode[4:])}))
 """
