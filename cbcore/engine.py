@@ -6,13 +6,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from transformers import PreTrainedModel
 
 from cbcore.config import EngineConfig
 from cbcore.engine_core import EngineCore, Prompt, RequestError, StepRecord, build_scheduler
-from cbcore.execution.runner import KVGeometry, ModelRunner, plan_num_blocks
-from cbcore.models.loading import eos_token_ids
+from cbcore.execution.runner import ModelRunner, plan_num_blocks
+from cbcore.models.loading import KVGeometry, check_model, eos_token_ids
 from cbcore.plugins import get_registry
 
 __all__ = ["Engine", "Prompt", "RequestError", "StepRecord"]
@@ -37,7 +36,7 @@ class Engine(EngineCore):
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         config = config if config is not None else EngineConfig()
-        _check_model_matches(model, config)
+        max_model_len = check_model(model, config.model)
         registry = get_registry(tuple(config.plugins))
         backend = registry.create("backend", config.backend.name, config.backend.params, "backend")
         num_blocks = plan_num_blocks(config.kv_cache, KVGeometry.of(model), next(model.parameters()).dtype)
@@ -48,25 +47,9 @@ class Engine(EngineCore):
             model, backend, config.kv_cache.block_size, num_blocks, host_blocks, execution.linear, execution.forward
         )
         self.model = model
-        text_cfg = model.config.get_text_config()
-        positions = getattr(text_cfg, "max_position_embeddings", None)
-        wanted = config.model.max_model_len
-        if wanted is not None and positions is not None and wanted > positions:
-            raise ValueError(
-                f"model.max_model_len is {wanted} but the model has only {positions} positions "
-                "(max_position_embeddings); lower it or leave it unset"
-            )
-        super().__init__(
-            config,
-            self.runner,
-            scheduler,
-            vocab_size=text_cfg.vocab_size,
-            max_model_len=wanted or positions,
-            names=names,
-            eos_token_ids=eos_token_ids(model),
-            tokenizer=tokenizer,
-            clock=clock,
-        )
+        super().__init__(config, self.runner, scheduler, vocab_size=model.config.get_text_config().vocab_size,
+                         max_model_len=max_model_len, names=names, eos_token_ids=eos_token_ids(model),
+                         tokenizer=tokenizer, clock=clock)  # fmt: skip
 
     @classmethod
     def from_pretrained(cls, path: str | None = None, config: EngineConfig | None = None) -> Engine:
@@ -77,12 +60,3 @@ class Engine(EngineCore):
         model, tokenizer = load_model_and_tokenizer(path or config.model.path, config.model)
         return cls(model, tokenizer, config)
 
-
-def _check_model_matches(model: PreTrainedModel, config: EngineConfig) -> None:
-    """An in-memory model is used as it is; an explicit ``model`` section that disagrees is an error."""
-    param, want = next(model.parameters()), config.model
-    explicit = want.model_fields_set
-    if "dtype" in explicit and want.dtype != "auto" and param.dtype != getattr(torch, want.dtype):
-        raise ValueError(f"model.dtype is {want.dtype} but the model given is {param.dtype}")
-    if "device" in explicit and torch.device(want.device).type != param.device.type:
-        raise ValueError(f"model.device is {want.device} but the model given is on {param.device}")

@@ -289,15 +289,10 @@ class EngineCore:
             raise TypeError("generate() takes a list of prompts (strings or token-id lists)")
         if self.has_unfinished():
             raise RuntimeError("generate() needs an idle engine; drive pending requests with step()")
-        n = len(prompts)
-        columns = zip(
-            _expand(params, n, "params", SamplingParams, SamplingParams()),
-            _expand(priorities, n, "priorities", int, 0),
-            _expand(client_ids, n, "client_ids", str, "default"),
-            _expand(deadlines_s, n, "deadlines_s", int | float, None),
-            _expand(attrs, n, "attrs", Mapping, None),
-            strict=True,
-        )
+        columns = zip(*(_expand(value, len(prompts), *what) for value, what in (
+            (params, ("params", SamplingParams, SamplingParams())), (priorities, ("priorities", int, 0)),
+            (client_ids, ("client_ids", str, "default")), (deadlines_s, ("deadlines_s", int | float, None)),
+            (attrs, ("attrs", Mapping, None)))), strict=True)  # fmt: skip
         ids: list[str] = []
         seqs: dict[str, Sequence] = {}
         done: dict[str, RequestOutput] = {}

@@ -42,7 +42,7 @@ from transformers import DynamicCache, PreTrainedModel
 from cbcore.config import EngineConfig
 from cbcore.engine import Engine
 from cbcore.engine_core import EngineCore, Executor, StepRecord
-from cbcore.execution.runner import KVGeometry
+from cbcore.models.loading import KVGeometry
 from cbcore.outputs import StepStats
 from cbcore.scheduling.plan import Sampled, StepPlan
 from cbcore.scheduling.sampling_params import SamplingParams

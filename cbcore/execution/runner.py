@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -22,6 +21,7 @@ from cbcore.execution.kv_cache import KVCache
 from cbcore.execution.sampler import sample_each
 from cbcore.log import get_logger
 from cbcore.models.fused_decoder import FusedDecoder, fused_refusal
+from cbcore.models.loading import KVGeometry
 from cbcore.models.packed_linear import LinearKind, resolve_kind
 from cbcore.scheduling.plan import Sampled, StepPlan
 
@@ -29,23 +29,6 @@ log = get_logger(__name__)
 
 #: ``auto``: cbcore's fused forward where the model is of its family, else HF's modules.
 ForwardKind = Literal["auto", "fused", "hf"]
-
-
-@dataclass(frozen=True)
-class KVGeometry:
-    """The per-token KV shape a model needs."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-
-    @classmethod
-    def of(cls, model: PreTrainedModel) -> KVGeometry:
-        cfg = model.config.get_text_config()
-        heads = cfg.num_attention_heads
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        return cls(cfg.num_hidden_layers, kv_heads, head_dim)
 
 
 def plan_num_blocks(cfg: KVCacheConfig, geometry: KVGeometry, dtype: torch.dtype) -> int:

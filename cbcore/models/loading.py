@@ -1,7 +1,9 @@
-"""Loading a model and tokenizer from a directory or hub id, per ``ModelConfig``."""
+"""Loading a model and tokenizer from a directory or hub id, per ``ModelConfig``, and what the engine
+reads from a loaded model: its KV shape, its context length, the tokens that end a request."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -59,3 +61,38 @@ def eos_token_ids(model: Any) -> tuple[int, ...]:
     if eos is None:
         eos = getattr(model.config, "eos_token_id", None)
     return (eos,) if isinstance(eos, int) else tuple(eos or ())
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """The per-token KV shape a model needs."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, model: Any) -> KVGeometry:
+        cfg = model.config.get_text_config()
+        heads = cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        return cls(cfg.num_hidden_layers, kv_heads, head_dim)
+
+
+def check_model(model: Any, want: ModelConfig) -> int | None:
+    """The context length to serve ``model`` with (None: unknown), checked against ``want``.
+
+    An in-memory model is used as it is: an explicit ``model`` section that disagrees with it, or a
+    ``max_model_len`` past its positions, is an error rather than a silent change.
+    """
+    param, explicit = next(model.parameters()), want.model_fields_set
+    if "dtype" in explicit and want.dtype != "auto" and param.dtype != getattr(torch, want.dtype):
+        raise ValueError(f"model.dtype is {want.dtype} but the model given is {param.dtype}")
+    if "device" in explicit and torch.device(want.device).type != param.device.type:
+        raise ValueError(f"model.device is {want.device} but the model given is on {param.device}")
+    positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if want.max_model_len is not None and positions is not None and want.max_model_len > positions:
+        raise ValueError(f"model.max_model_len is {want.max_model_len} but the model has only {positions} positions "
+                         "(max_position_embeddings); lower it or leave it unset")  # fmt: skip
+    return want.max_model_len or positions

@@ -31,6 +31,7 @@ from __future__ import annotations
 import inspect
 import signal
 import threading
+from collections import Counter
 from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 from operator import attrgetter
@@ -196,26 +197,27 @@ class Door:
             self._broke(budget, "limits() returns StepLimits of two ints >= 1", f"got {limits!r}")
         return limits
 
-    def may_admit(self, seq: Sequence, state: SchedulerState) -> bool:
+    def _ask(self, policy: Any, method: str, seq: Sequence, *args: Any, then: Any = None) -> Any:
+        """``policy.method(seq.view, *args)`` (passed through ``then`` inside the guard): a failure, or a
+        return after the watchdog gave up on the call, names ``seq``."""
         try:
-            ok = bool(self.budget.may_admit(seq.view, state))
+            answer = getattr(policy, method)(seq.view, *args)
+            answer = answer if then is None else then(answer)
         except BaseException as exc:
-            self._raise(self.budget, "may_admit", seq, exc)
+            self._raise(policy, method, seq, exc)
         if self.overdue:
             self._late(seq)
-        return ok
+        return answer
+
+    def may_admit(self, seq: Sequence, state: SchedulerState) -> bool:
+        return self._ask(self.budget, "may_admit", seq, state, then=bool)
 
     def num_tokens(self, seq: Sequence, tokens_left: int, scheduled: Seq[Any]) -> int:
         """Pending tokens of ``seq`` to run now; more than is pending means all of it (documented)."""
         pending = len(seq.token_ids) - seq.num_computed_tokens
         if pending == 1:
             return 1
-        try:
-            n = self.prefill.num_tokens(seq.view, tokens_left, tuple(scheduled))
-        except BaseException as exc:
-            self._raise(self.prefill, "num_tokens", seq, exc)
-        if self.overdue:
-            self._late(seq)
+        n = self._ask(self.prefill, "num_tokens", seq, tokens_left, tuple(scheduled))
         if type(n) is not int or n < 0:
             self._broke(self.prefill, "num_tokens() returns an int >= 0", f"got {n!r}", seq)
         if n > tokens_left and scheduled:
@@ -224,13 +226,7 @@ class Door:
         return min(n, pending)
 
     def key(self, seq: Sequence, now: float) -> Any:
-        try:
-            key = self.queue.key(seq.view, now)
-        except BaseException as exc:
-            self._raise(self.queue, "key", seq, exc)
-        if self.overdue:
-            self._late(seq)
-        return key
+        return self._ask(self.queue, "key", seq, now)
 
     def order(self, seqs: Seq[Sequence], now: float) -> list[Sequence]:
         """``seqs`` in queue order (a new list): by stored keys, by ``key()``, or by the queue's own ``order()``."""
@@ -364,10 +360,8 @@ class GuardedScheduler:
 def _not_a_permutation(ordered: object, given: Seq[Any]) -> str:
     if not isinstance(ordered, list | tuple):
         return f"got {type(ordered).__name__}"
-    ids = [id(s) for s in ordered]
-    if twice := [s for s in ordered if ids.count(id(s)) > 1]:
-        return f"{getattr(twice[0], 'request_id', twice[0])!r} appears {ids.count(id(twice[0]))} times"
-    known = {id(s) for s in given}
-    if extra := [s for s in ordered if id(s) not in known]:
-        return f"{getattr(extra[0], 'request_id', extra[0])!r} was not given"
+    times, known = Counter(map(id, ordered)), {id(s) for s in given}
+    if odd := next((s for s in ordered if times[id(s)] > 1 or id(s) not in known), None):
+        what = "was not given" if id(odd) not in known else f"appears {times[id(odd)]} times"
+        return f"{getattr(odd, 'request_id', odd)!r} {what}"
     return f"{len(ordered)} sequences back for {len(given)} given"

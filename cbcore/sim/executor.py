@@ -66,7 +66,8 @@ def sim_num_blocks(config: EngineConfig, profile: Profile) -> int:
             kv = kv.model_copy(update={"max_memory_mb": memory_mb})
     import torch
 
-    from cbcore.execution.runner import KVGeometry, plan_num_blocks  # imports transformers: only when needed
+    from cbcore.execution.runner import plan_num_blocks  # imports transformers: only when needed
+    from cbcore.models.loading import KVGeometry
 
     m = profile.model
     geometry = KVGeometry(m.num_layers, m.num_kv_heads, m.head_dim)
