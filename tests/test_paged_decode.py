@@ -38,8 +38,9 @@ def pool_and_rows(rows=2, blocks=6, block_size=4, heads=4, kv_heads=2, head_dim=
 
 def test_built_on_first_use_then_loaded_from_the_cache(fresh_kernel):
     assert paged_decode.unavailable_reason() is None
-    assert paged_decode.KERNEL.load()[1].startswith("built ")
-    (library,) = (fresh_kernel / "kernels").glob("paged_decode-*.so")
+    origin = paged_decode.KERNEL.load()[1]
+    assert origin.startswith(("built ", "cached "))  # cached: built a moment ago, to time the instruction sets
+    (library,) = [p for p in (fresh_kernel / "kernels").glob("paged_decode-*.so") if str(p) in origin]
     paged_decode.KERNEL.forget()
     assert paged_decode.KERNEL.load()[1] == f"cached {library}"
 

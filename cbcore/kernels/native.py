@@ -9,9 +9,18 @@ changed CPU or source builds anew.
 
 Which vector instructions a build may use is its instruction set (:data:`ISAS`):
 ``avx512``, ``avx2`` or ``plain`` (the kernels' C loops, vectorised by the
-compiler alone). A kernel is built for the widest one the CPU supports;
-``$CBCORE_KERNEL_ISA`` forces a narrower one for every kernel, so that each
-path runs and is tested on one machine (an AVX-512 machine runs what an
+compiler alone). The widest the CPU supports is not always the fastest (a
+CPU may clock down under AVX-512, or run 512-bit work as two halves), so a
+kernel that brings a trial (a representative call) is built for every
+instruction set the CPU runs and timed once per machine, alternated, each
+by its least time (other work only adds time); the widest is kept unless a
+narrower one is :data:`MARGIN` faster. The choice is logged and kept in the
+cache directory (``kernels/isa-choices.json``), keyed
+by the kernel's build identity (source, flags, compiler, CPU model), the
+CPU's feature flags and torch's version, so a later process reads it instead
+of timing again. A kernel without a trial is built for the widest.
+``$CBCORE_KERNEL_ISA`` forces one instruction set for every kernel, so that
+each path runs and is tested on one machine (an AVX-512 machine runs what an
 AVX2-only CPU would). It is linked against the OpenMP runtime
 torch has already loaded, so its threads are torch's threads. ctypes rather
 than a torch extension: no torch headers, no pybind, a build of a fraction of
@@ -24,11 +33,14 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import json
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -48,6 +60,14 @@ ISAS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
     "avx2": (("-mno-avx512f",), frozenset({"avx2", "fma"})),
     "plain": (("-mno-avx2", "-mno-avx512f") if _X86 else (), frozenset()),
 }
+
+
+#: How much faster (a share of the widest's median time) a narrower instruction set must run a kernel's trial
+#: to be chosen: timings on a shared machine drift by a few percent.
+MARGIN = 0.03
+#: Alternated rounds of each instruction set's trial, and calls of the trial per round.
+TRIAL_ROUNDS, TRIAL_CALLS = 9, 5
+CHOICES_FILE = "isa-choices.json"
 
 
 class KernelUnavailable(RuntimeError):
@@ -136,8 +156,12 @@ class NativeKernel:
     """One C function of one kernel file, built or loaded once per process on first use (a build is a
     subprocess, a load a dlopen)."""
 
-    def __init__(self, source: Path, symbol: str, argtypes: list) -> None:
-        self.source, self.symbol, self.argtypes = source, symbol, argtypes
+    def __init__(
+        self, source: Path, symbol: str, argtypes: list, trial: Callable[[], Callable[[], object]] | None = None
+    ) -> None:
+        """``trial``: makes a representative call's inputs once and returns the call (which runs
+        :attr:`fn`), for timing the instruction sets against each other; None: build for the widest."""
+        self.source, self.symbol, self.argtypes, self.trial = source, symbol, argtypes, trial
         self._loaded: tuple[ctypes._CFuncPtr | None, str] | None = None
 
     def load(self) -> tuple[ctypes._CFuncPtr | None, str]:
@@ -153,17 +177,20 @@ class NativeKernel:
         compiler = _compiler()
         if compiler is None:
             return None, f"no C compiler found ({os.environ.get('CC') or 'cc'!r} is not on PATH; install gcc or set $CC)"
-        isa = forced_isa() or supported_isas()[0]
-        target = _library_path(source, compiler, isa)
+        return self._library(compiler, forced_isa() or self._chosen_isa(compiler))
+
+    def _library(self, compiler: str, isa: str) -> tuple[ctypes._CFuncPtr | None, str]:
+        """The function built for ``isa`` (built now, or loaded from the cache), or ``(None, why not)``."""
+        target = _library_path(self.source, compiler, isa)
         origin = f"cached {target}"
         try:
             if not target.exists():
                 try:
-                    _build(source, compiler, target, isa)
+                    _build(self.source, compiler, target, isa)
                 except OSError as exc:  # an unwritable cache: build where this process may write
                     log.warning("kernel cache not writable; building in a temporary directory", error=str(exc))
                     target = Path(tempfile.mkdtemp(prefix="cbcore-kernels-")) / target.name
-                    _build(source, compiler, target, isa)
+                    _build(self.source, compiler, target, isa)
                 origin = f"built {target}"
             fn = getattr(ctypes.CDLL(str(target)), self.symbol)
         except (KernelUnavailable, OSError, subprocess.SubprocessError, AttributeError) as exc:
@@ -171,6 +198,54 @@ class NativeKernel:
         fn.argtypes, fn.restype = self.argtypes, ctypes.c_int
         log.debug("native kernel", symbol=self.symbol, isa=isa, origin=origin)
         return fn, origin
+
+    def _chosen_isa(self, compiler: str) -> str:
+        """The widest instruction set, unless this kernel's trial, timed once on this machine, ran a
+        narrower one :data:`MARGIN` faster; kept in the cache so that later processes only read it."""
+        isas = supported_isas()
+        if self.trial is None or len(isas) == 1:
+            return isas[0]
+        flags = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:12]
+        key = f"{_library_path(self.source, compiler, isas[0]).stem}:{self.symbol}:{flags}:torch-{torch.__version__}"
+        path = cache_root() / "kernels" / CHOICES_FILE
+        try:
+            choices = json.loads(path.read_text())
+        except (OSError, ValueError):
+            choices = {}
+        if isinstance(known := choices.get(key), dict) and known.get("isa") in isas:
+            return known["isa"]
+        built = {isa: fn for isa in isas if (fn := self._library(compiler, isa)[0]) is not None}
+        if len(built) < 2 or isas[0] not in built:
+            return isas[0]  # nothing to compare: the widest, or its build error
+        times: dict[str, list[float]] = {isa: [] for isa in built}
+        run, order = self.trial(), list(built)
+        try:
+            for turn in range(-1, TRIAL_ROUNDS):  # a warm-up turn, then alternated turns, each led by another
+                for isa in order[turn % len(order):] + order[: turn % len(order)]:
+                    self.__dict__["fn"] = built[isa]
+                    for _ in range(TRIAL_CALLS):
+                        t0 = time.perf_counter()
+                        run()
+                        times[isa].append(time.perf_counter() - t0)
+                    del times[isa][: TRIAL_CALLS if turn < 0 else 0]
+        finally:
+            self.__dict__.pop("fn", None)
+        # The least time of each: other work on the machine only ever adds to a call, never takes away.
+        least = {isa: min(t) for isa, t in times.items()}
+        best = min(least, key=least.__getitem__)
+        chosen = best if least[best] < (1 - MARGIN) * least[isas[0]] else isas[0]
+        choices[key] = {"isa": chosen, "least_us": {isa: round(t * 1e6, 1) for isa, t in least.items()}}
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".isa-choices.", suffix=".json")
+            with os.fdopen(fd, "w") as out:
+                json.dump(choices, out, indent=1)
+            os.replace(tmp, path)
+        except OSError as exc:  # an unwritable cache: the choice holds for this process
+            log.warning("kernel instruction-set choice not kept", path=str(path), error=str(exc))
+        log.info("kernel instruction set chosen by timing", symbol=self.symbol, isa=chosen, cpu=hardware_name(),
+                 **{f"{isa}_us": round(t * 1e6, 1) for isa, t in least.items()})  # fmt: skip
+        return chosen
 
     @functools.cached_property
     def fn(self) -> ctypes._CFuncPtr:

@@ -13,6 +13,7 @@ built and loaded by :mod:`cbcore.kernels.native`; where it cannot be,
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +28,7 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 _ARGTYPES = [_P, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, ctypes.c_int]
 
 
-KERNEL = NativeKernel(SOURCE, "cb_paged_decode_f32", _ARGTYPES)
+KERNEL = NativeKernel(SOURCE, "cb_paged_decode_f32", _ARGTYPES, trial=lambda: _trial())
 unavailable_reason = KERNEL.unavailable_reason
 
 
@@ -89,3 +90,14 @@ def paged_decode(
     if failed:
         raise ValueError("paged_decode: a row's positions or blocks lie outside its block table or the pool")
     return out
+
+
+def _trial() -> Callable[[], object]:
+    """What the instruction sets are timed on: a decode step's attention at the default model's head
+    shape (9 query heads over 3 KV heads of 64), 16 rows of 512 keys in blocks of 16."""
+    gen, rows, context, block = torch.Generator().manual_seed(0), 16, 512, 16
+    k, v = (torch.randn(rows * context, 3, 64, generator=gen) for _ in range(2))
+    query = torch.randn(rows, 9, 64, generator=gen)
+    tables = torch.arange(rows * context // block, dtype=torch.int32).view(rows, -1)
+    keys = PagedRows(tables, torch.zeros(rows, dtype=torch.int64), torch.full((rows,), context), block)
+    return lambda: paged_decode(query, k, v, keys, 0.125)
