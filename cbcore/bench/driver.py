@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from array import array
 from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field, replace
@@ -113,12 +114,22 @@ class OneEngine:
 
 
 def submit(
-    engine: EngineCore, req: BenchRequest, token_ids: Seq[int], arrival_time: float
+    engine: EngineCore, req: BenchRequest, token_ids: Seq[int], arrival_time: float, compact: bool = False
 ) -> RequestOutput | None:
-    """Hand one workload request to ``engine``; a refused request comes back as its final output."""
+    """Hand one workload request to ``engine``; a refused request comes back as its final output.
+
+    ``compact`` (a simulated engine): the ids go as an ``array('i')``, which the
+    engine keeps as the sequence's token array (4 bytes a token instead of a
+    list's pointer and int object), so that thousands of waiting requests with
+    long prompts fit in memory; a synthetic prompt is drawn straight into it.
+    """
+    prompt: Seq[int] = token_ids.array() if compact and isinstance(token_ids, PromptIds) else list(token_ids)
+    if compact and isinstance(prompt, list):
+        with contextlib.suppress(OverflowError):  # an id past 32 bits stays a list: the engine refuses it by name
+            prompt = array("i", prompt)
     try:
         engine.add_request(
-            list(token_ids),
+            prompt,
             req.sampling_params(),
             request_id=req.request_id,
             priority=req.priority,
@@ -180,6 +191,8 @@ def drive(
     def finish(i: int, out: RequestOutput, where: int) -> None:
         if isinstance(prompt := arrivals.prompt(i), PromptIds):
             out = replace(out, prompt_token_ids=prompt)  # the recipe, not a copy of its ids
+        if not isinstance(out.output_token_ids, list):  # a simulated engine's token array
+            out = replace(out, output_token_ids=list(out.output_token_ids))
         done[i] = out
         arrivals.finished(i, out, clocks[where]())
         placement.done(out.request_id, where)
@@ -197,7 +210,7 @@ def drive(
                     if len(engines) == 1:
                         idle += max(0.0, due - clocks[where]())
                     clocks[where].wait_until(due)
-                refused = submit(engines[where], requests[i], arrivals.prompt(i), due)
+                refused = submit(engines[where], requests[i], arrivals.prompt(i), due, simulated)
                 if refused is not None:
                     finish(i, refused, where)
             elif stepper is not None:

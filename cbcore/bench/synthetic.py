@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
+from array import array
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from typing import overload
@@ -99,6 +100,12 @@ class SyntheticPrompt(BaseModel):
         """The prompt's token ids (a fresh list each call)."""
         return draw_ids(self).tolist()
 
+    def ids_array(self) -> array[int]:
+        """The prompt's token ids as a fresh ``array('i')``: 4 bytes an id, no Python int per token."""
+        if self.vocab_size > 2**31:
+            raise ValueError(f"a vocabulary of {self.vocab_size} ids does not fit 32-bit token arrays")
+        return array("i", draw_ids(self).astype(np.int32).tobytes())
+
 
 def blocks_for(tokens: int, block_tokens: float) -> int:
     """How many blocks a prompt of ``tokens`` spans when block ``i`` ends at ``floor((i + 1) * B)``."""
@@ -131,9 +138,9 @@ class PromptIds(Seq[int]):
     """A synthetic prompt as a read-only sequence: its length at once, its ids drawn when read.
 
     The simulator hands these to the driver instead of lists, so a workload's
-    prompts are never all in memory; the engine gets a list of the ids when
-    the request is submitted (``list(prompt)``), and a finished request's
-    output keeps this object, not the ids.
+    prompts are never all in memory; a simulated engine gets the ids as an
+    ``array('i')`` when the request is submitted (:meth:`array`), and a
+    finished request's output keeps this object, not the ids.
     """
 
     __slots__ = ("prompt",)
@@ -153,6 +160,9 @@ class PromptIds(Seq[int]):
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.prompt.ids())
+
+    def array(self) -> array[int]:
+        return self.prompt.ids_array()
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, PromptIds):

@@ -58,8 +58,8 @@ def extend_hashes(hashes: list[BlockHash], token_ids: Seq[int], block_size: int,
     if start >= upto:
         return
     parent = hashes[-1] if hashes else root_hash(salt)
-    # One conversion for all new blocks; 4-byte ids (vocabularies are far below 2**32).
-    raw = array("I", token_ids[start * block_size : upto * block_size]).tobytes()
+    # One conversion for all new blocks (a copy when the ids are an array('i')); 4-byte ids (vocabularies are far below 2**31).
+    raw = array("i", token_ids[start * block_size : upto * block_size]).tobytes()
     width = block_size * 4
     blake = hashlib.blake2b
     for offset in range(0, len(raw), width):

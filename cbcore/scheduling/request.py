@@ -18,6 +18,7 @@ prompt may still generate: the server's ``max_tokens`` check uses it too.
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Annotated, Any
@@ -27,7 +28,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from cbcore.plugins import validation_problems
 from cbcore.scheduling.sampling_params import SamplingParams
 
-Prompt = str | list[int]
+Prompt = str | list[int] | array  # an array('i') of ids is kept as the sequence's token array (4 bytes an id)
 EMPTY_ATTRS: Mapping[str, Any] = MappingProxyType({})
 
 
@@ -161,13 +162,15 @@ def field_problems(exc: ValidationError) -> str:
     return "; ".join(validation_problems(exc))
 
 
-def encode_prompt(prompt: Prompt, request_id: str, tokenizer: Any | None) -> list[int]:
+def encode_prompt(prompt: Prompt, request_id: str, tokenizer: Any | None) -> list[int] | array:
     if isinstance(prompt, str):
         if tokenizer is None:
             raise RequestError(f"request {request_id}: a text prompt needs a tokenizer; pass token ids")
         return list(tokenizer.encode(prompt))
+    if isinstance(prompt, array) and prompt.typecode == "i":
+        return prompt[:]  # the engine's own copy: it appends the output to it
     if not isinstance(prompt, list | tuple) or not all(type(t) is int for t in prompt):
-        raise RequestError(f"request {request_id}: a prompt is a string or a list of int token ids")
+        raise RequestError(f"request {request_id}: a prompt is a string, a list of int token ids or an array('i')")
     return list(prompt)
 
 
@@ -182,7 +185,7 @@ def max_new_tokens_limit(prompt_len: int, max_model_len: int | None, kv_capacity
 
 
 def check_request(
-    token_ids: list[int],
+    token_ids: list[int] | array,
     request_id: str,
     params: SamplingParams,
     vocab_size: int,
@@ -192,8 +195,9 @@ def check_request(
     where = f"request {request_id}"
     if not token_ids:
         raise RequestError(f"{where}: the prompt is empty")
-    if bad := [t for t in token_ids if not 0 <= t < vocab_size]:
-        raise RequestError(f"{where}: token id {bad[0]} is outside the vocabulary (size {vocab_size})")
+    if not 0 <= min(token_ids) <= max(token_ids) < vocab_size:
+        bad = next(t for t in token_ids if not 0 <= t < vocab_size)
+        raise RequestError(f"{where}: token id {bad} is outside the vocabulary (size {vocab_size})")
     if stops := [t for t in params.stop_token_ids if t >= vocab_size]:
         raise RequestError(f"{where}: stop token id {stops[0]} is outside the vocabulary (size {vocab_size})")
     n = len(token_ids)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Mapping
+from array import array
+from collections.abc import Iterator, Mapping
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -41,7 +43,7 @@ class Sequence:
     """
 
     request_id: str
-    prompt_token_ids: tuple[int, ...]  # any sequence of ints given; kept as a tuple, shared with the view
+    prompt_token_ids: tuple[int, ...] | Prefix  # kept as a tuple (an array('i'): a Prefix), shared with the view
     params: SamplingParams
     priority: int = 0
     client_id: str = "default"
@@ -82,8 +84,9 @@ class Sequence:
     view: SeqView = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.prompt_token_ids = tuple(self.prompt_token_ids)
-        self.token_ids = list(self.prompt_token_ids)
+        ids = self.prompt_token_ids  # an array('i') becomes the token array, the prompt a view of its start
+        self.prompt_token_ids = Prefix(ids, len(ids)) if isinstance(ids, array) else tuple(ids)
+        self.token_ids = ids if isinstance(ids, array) else list(self.prompt_token_ids)
         if self.params.seed is not None:
             import torch
 
@@ -135,6 +138,24 @@ class Sequence:
         self.finish_time, self.error = now, error
 
 
+class Prefix(Seq[int]):
+    """The first ``n`` ids of a growing token array: an array prompt held once, not copied."""
+
+    __slots__ = ("_ids", "_n")
+
+    def __init__(self, ids: Seq[int], n: int) -> None:
+        self._ids, self._n = ids, n
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._ids[: self._n][index]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._ids[: self._n])
+
+
 _GONE = {
     "policy_state": "keep per-request state on the policy itself, keyed by seq.request_id (and drop it in on_finish)",
     "token_ids": "read prompt_token_ids and output_token_ids (tuples)",
@@ -162,7 +183,7 @@ class SeqView:
         put(self, "_blocks", blocks)  # the block manager, for a waiting sequence's cached prefix
         for name in self._COPIED:  # fixed for the request's life
             put(self, name, getattr(seq, name))
-        put(self, "prompt_token_ids", seq.prompt_token_ids)  # a tuple already: shared, not copied
+        put(self, "prompt_token_ids", seq.prompt_token_ids)  # a tuple (or read-only Prefix) already: shared
         put(self, "num_prompt_tokens", len(seq.prompt_token_ids))
 
     def __setattr__(self, name: str, value: object) -> None:
