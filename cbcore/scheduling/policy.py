@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, NamedTuple, Protocol
 
 from pydantic import BaseModel
 
@@ -125,9 +125,8 @@ class StepLimits:
     max_num_tokens: int
 
 
-@dataclass(frozen=True)
-class StepResult:
-    """What one sequence did in a step (sent to ``on_step_end``)."""
+class StepResult(NamedTuple):
+    """What one sequence did in a step (sent to ``on_step_end``; a named tuple, read-only and quick to build)."""
 
     seq: SequenceView
     num_computed: int  # tokens whose KV was computed this step
