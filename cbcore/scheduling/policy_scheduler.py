@@ -125,6 +125,10 @@ class PolicyScheduler:
                 raise failure
         return seq
 
+    def holding(self) -> list[Sequence]:
+        """The sequences that hold state between steps (the waiting hold no KV); the step transaction's fast path."""
+        return self.running + self.swapped
+
     def snapshot(self) -> Callable[[], None]:
         """Capture the queues and counters; the engine's step transaction restores the sequences."""
         lists = (list(self.waiting), list(self.running), list(self.swapped))

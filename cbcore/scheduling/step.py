@@ -27,7 +27,7 @@ no event of a step that was undone.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from operator import attrgetter
@@ -41,6 +41,7 @@ from cbcore.scheduling.sequence import FinishReason, Sequence, SequenceStatus
 
 log = get_logger(__name__)
 
+WAITING = SequenceStatus.WAITING
 MAX_IDLE_STEPS = 8
 WINDOW_CAPACITIES = 4
 _seq_of = attrgetter("seq")
@@ -57,6 +58,7 @@ class Steps:
     max_model_len: int | None = None
     spent: int = 0  # tokens computed since a token was last sampled
     idle: int = 0  # steps in a row that computed nothing
+    planned: float = float("inf")  # the scheduler's clock after the last committed step was planned
 
     def __post_init__(self) -> None:
         self.window = WINDOW_CAPACITIES * self.scheduler.blocks.capacity_tokens  # the livelock bound, in tokens
@@ -104,24 +106,30 @@ class StepTransaction:
     executed: StepPlan | None = None
     rng: Seq[tuple[Any, Any]] = ()
 
-    def __init__(self, steps: Steps, live: Iterable[Sequence]) -> None:
-        self.steps = steps
+    def __init__(self, steps: Steps, live: Collection[Sequence]) -> None:
+        self.steps, self.live = steps, live
         sched = self.scheduler = steps.scheduler
-        self.held, self.idle = [], []  # (seq, its fields); (a waiting seq without KV, its first_scheduled_time)
-        for s in live:
-            if s.block_table or s.status is not SequenceStatus.WAITING:
-                self.held.append((s, s.status, s.num_computed_tokens, s.num_preemptions, s.block_table, len(s.block_table)))
+        # A scheduler that names who holds state (``holding()``: the rest wait without KV) and stamps first
+        # admissions from its clock while planning: if every stamp so far is older than now, the waiting
+        # sequences are not visited unless the step is undone (thousands may wait), and a stamp at or after
+        # ``mark`` is this step's. Otherwise: (a waiting seq without KV, its first_scheduled_time) for each.
+        self.mark = sched.clock() if hasattr(sched, "holding") else steps.planned
+        held, self.idle = (sched.holding(), None) if self.mark > steps.planned else ([], [])
+        for s in live if self.idle is not None else ():
+            if s.block_table or s.status is not WAITING:
+                held.append(s)
             else:
                 self.idle.append((s, s.first_scheduled_time))
+        self.held = [(s, s.status, s.num_computed_tokens, s.num_preemptions, s.block_table, len(s.block_table)) for s in held]
         self.blocks_point = sched.blocks.undo_point()
         self.restore_own = sched.snapshot()
         self.appended: list[tuple[Sequence, bool]] = []  # (seq, whether it had a first token before the step)
 
     def check(self, out: SchedulerOutput) -> StepPlan:
         """Check the scheduler's answer and turn it into the runner's plan; save the RNG of the rows that sample."""
-        self.out = out
+        self.out, self.planned = out, self.scheduler.clock() if hasattr(self.scheduler, "holding") else self.steps.planned
         plan, computed, sampled = check_plan(out, self.scheduler.blocks, self.steps.culprit)
-        self.steps.observe(out, computed, sampled, len(self.idle), len(self.held))
+        self.steps.observe(out, computed, sampled, len(self.live) - len(self.held), len(self.held))
         self.rng = [(row.generator, row.generator.get_state()) for row in plan.rows if row.generator is not None]
         self.executed = plan
         return plan
@@ -133,7 +141,7 @@ class StepTransaction:
         whose sampling failed (they alone end with an error), and the step's
         results for the policies (the preempted included).
         """
-        out, now = self.out, self.steps.clock()
+        out, now, self.steps.planned = self.out, self.steps.clock(), self.planned
         new_token: dict[Sequence, int] = {}
         failed: list[Sequence] = []
         errors = sampled.errors or [None] * len(sampled.rows)
@@ -184,7 +192,9 @@ class StepTransaction:
             seq.finish_reason = seq.finish_time = seq.error = None
             if written:
                 self.drop_overwritten(seq, written)
-        for seq, first_scheduled in self.idle:
+        held = {seq for seq, *_ in self.held}
+        idle = self.idle if self.idle is not None else [(s, _before(s.first_scheduled_time, self.mark)) for s in self.live if s not in held]
+        for seq, first_scheduled in idle:
             seq.status, seq.num_computed_tokens, seq.block_table = SequenceStatus.WAITING, 0, []
             seq.first_scheduled_time, seq.finish_reason, seq.finish_time, seq.error = first_scheduled, None, None, None
         self.scheduler.blocks.reset_to([held[0] for held in self.held], self.blocks_point)
@@ -268,6 +278,10 @@ def check_plan(out: SchedulerOutput, blocks: Any, culprit: str) -> tuple[StepPla
         if {h for h, _ in out.swap_in} & {h for _, h in out.swap_out}:
             _fail(culprit, "no host block is swapped out and in in one step", "a host block is both")
     return StepPlan(rows, out.swap_out, out.swap_in, total, decodes), total, sampled
+
+
+def _before(stamp: float | None, mark: float) -> float | None:
+    return None if stamp is None or stamp >= mark else stamp
 
 
 def _diagnose(item: Any, block_size: int, culprit: str) -> None:
