@@ -88,7 +88,7 @@ class RequestOutput:
     def of(cls, seq: Sequence, new_token_ids: list[int], text: str | None = None) -> RequestOutput:
         return cls(
             request_id=seq.request_id,
-            prompt_token_ids=list(seq.prompt_token_ids),
+            prompt_token_ids=list(p) if isinstance(p := seq.prompt_token_ids, list) else p,  # an array prompt's view
             output_token_ids=seq.output_token_ids,
             new_token_ids=new_token_ids,
             finished=seq.is_finished,

@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Annotated, Any
 
+import numpy as np
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from cbcore.plugins import validation_problems
@@ -195,7 +196,8 @@ def check_request(
     where = f"request {request_id}"
     if not token_ids:
         raise RequestError(f"{where}: the prompt is empty")
-    if not 0 <= min(token_ids) <= max(token_ids) < vocab_size:
+    ids = np.frombuffer(token_ids, np.int32) if isinstance(token_ids, array) else None  # an array: in microseconds
+    if not 0 <= (ids.min() if ids is not None else min(token_ids)) <= (ids.max() if ids is not None else max(token_ids)) < vocab_size:
         bad = next(t for t in token_ids if not 0 <= t < vocab_size)
         raise RequestError(f"{where}: token id {bad} is outside the vocabulary (size {vocab_size})")
     if stops := [t for t in params.stop_token_ids if t >= vocab_size]:
