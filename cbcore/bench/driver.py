@@ -21,6 +21,7 @@ stream of requests side by side on one timeline.
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import time
 from array import array
@@ -194,6 +195,8 @@ def drive(
         if not isinstance(out.output_token_ids, list):  # a simulated engine's token array
             out = replace(out, output_token_ids=list(out.output_token_ids))
         done[i] = out
+        if len(done) % 512 == 0:  # an ended sequence and its view form a cycle: without this, a long run
+            gc.collect()  # keeps thousands of them (tokens, block hashes) until Python's rare full collection
         arrivals.finished(i, out, clocks[where]())
         placement.done(out.request_id, where)
         bar.update(1)
