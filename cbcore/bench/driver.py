@@ -192,7 +192,9 @@ def drive(
     def finish(i: int, out: RequestOutput, where: int) -> None:
         if isinstance(prompt := arrivals.prompt(i), PromptIds):
             out = replace(out, prompt_token_ids=prompt)  # the recipe, not a copy of its ids
-        if not isinstance(out.output_token_ids, list):  # a simulated engine's token array
+        elif not isinstance(out.prompt_token_ids, list):  # a simulated engine's token array (a view of it)
+            out = replace(out, prompt_token_ids=list(out.prompt_token_ids))
+        if not isinstance(out.output_token_ids, list):
             out = replace(out, output_token_ids=list(out.output_token_ids))
         done[i] = out
         if len(done) % 512 == 0:  # an ended sequence and its view form a cycle: without this, a long run
@@ -201,7 +203,9 @@ def drive(
         placement.done(out.request_id, where)
         bar.update(1)
 
-    with recorded_steps(*engines) as steps:
+    gc.freeze()  # what exists now (modules, the workload) lives on: the collections below skip it
+    with recorded_steps(*engines) as steps, contextlib.ExitStack() as after:
+        after.callback(gc.unfreeze)
         while len(done) < len(requests):
             due = arrivals.next_time()  # None: the next requests wait on answers still running
             busy = [j for j, e in enumerate(engines) if e.has_unfinished()]
