@@ -6,7 +6,7 @@ import itertools
 from dataclasses import dataclass, field
 from operator import attrgetter
 
-from cbcore.scheduling.sequence import Sequence
+from cbcore.scheduling.sequence import Prefix, Sequence
 
 #: The Sequence attributes behind RequestMetrics' fields, in field order.
 _METRIC_FIELDS = attrgetter(
@@ -88,7 +88,7 @@ class RequestOutput:
     def of(cls, seq: Sequence, new_token_ids: list[int], text: str | None = None) -> RequestOutput:
         return cls(
             request_id=seq.request_id,
-            prompt_token_ids=list(p) if isinstance(p := seq.prompt_token_ids, list) else p,  # an array prompt's view
+            prompt_token_ids=p if isinstance(p := seq.prompt_token_ids, Prefix) else list(p),  # an array prompt: its view
             output_token_ids=seq.output_token_ids,
             new_token_ids=new_token_ids,
             finished=seq.is_finished,

@@ -59,7 +59,6 @@ import time
 from bisect import insort
 from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
-from operator import attrgetter
 from typing import Any, Literal
 
 from cbcore.config import SLOTS, EngineConfig
@@ -74,7 +73,6 @@ from cbcore.scheduling.sequence import FinishReason, Sequence, SequenceStatus
 log = get_logger(__name__)
 
 WAITING, RUNNING, SWAPPED = SequenceStatus.WAITING, SequenceStatus.RUNNING, SequenceStatus.SWAPPED
-_queue_key = attrgetter("queue_key")
 
 
 class PolicyScheduler:
@@ -106,7 +104,9 @@ class PolicyScheduler:
             seq.queue_key = self.door.key(seq, now)
         self.door.arrived(seq, now)
         seq.status = WAITING
-        self._wait(seq)
+        # Stored keys: the queue stays in key order (after equal keys, as a stable sort of arrivals), so
+        # no step sorts thousands of waiting sequences.
+        insort(self.waiting, seq, key=lambda s: s.queue_key) if self.door.fixed_keys else self.waiting.append(seq)
         self._by_id[seq.request_id] = seq
 
     def get(self, request_id: str) -> Sequence | None:
@@ -185,18 +185,8 @@ class PolicyScheduler:
 
     def _waiting_order(self) -> list[Sequence]:
         if self._ordered is None:
-            self._ordered = self._in_order()
+            self._ordered = list(self.waiting) if self.door.fixed_keys else self.door.order(self.waiting, self._now)
         return self._ordered
-
-    def _in_order(self) -> list[Sequence]:
-        """The waiting queue in order: kept sorted when keys are stored at arrival (no sort of thousands per step)."""
-        return list(self.waiting) if self.door.fixed_keys else self.door.order(self.waiting, self._now)
-
-    def _wait(self, seq: Sequence) -> None:
-        if self.door.fixed_keys:  # after those of an equal key: the order a stable sort of arrivals gives
-            insort(self.waiting, seq, key=_queue_key)
-        else:
-            self.waiting.append(seq)
 
     def _add(self, seq: Sequence, n: int) -> None:
         if n < len(seq.token_ids) - seq.num_computed_tokens:
@@ -282,7 +272,7 @@ class PolicyScheduler:
         out, blocks, door, now = self._out, self.blocks, self.door, self._now
         if out.preempted or out.swap_in or self.swapped or not self.waiting or self._tokens_left <= 0:
             return
-        ordered = self._ordered if self._ordered is not None else self._in_order()
+        ordered = self._ordered if self._ordered is not None else list(self.waiting) if door.fixed_keys else door.order(self.waiting, now)
         for seq in ordered:  # the list is unchanged while this phase runs
             if self._tokens_left <= 0:
                 break
@@ -348,7 +338,7 @@ class PolicyScheduler:
             self.blocks.free(victim)
             victim.num_computed_tokens = 0
             victim.status = WAITING
-            self._wait(victim)
+            insort(self.waiting, victim, key=lambda s: s.queue_key) if self.door.fixed_keys else self.waiting.append(victim)
         victim.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted.append(victim)

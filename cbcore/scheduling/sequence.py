@@ -93,39 +93,17 @@ class Sequence:
             self.generator = torch.Generator(device="cpu").manual_seed(self.params.seed)
         self.view = SeqView(self)
 
-    @property
-    def deadline(self) -> float | None:
-        """The clock time (``arrival_time + deadline_s``) by which it should be done, or None."""
-        return None if self.deadline_s is None else self.arrival_time + self.deadline_s
+    # The clock time (``arrival_time + deadline_s``) by which it should be done, or None.
+    deadline = property(lambda self: None if self.deadline_s is None else self.arrival_time + self.deadline_s)
 
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - len(self.prompt_token_ids)
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_token_ids) :]
-
-    @property
-    def num_pending_tokens(self) -> int:
-        """Tokens whose KV is not yet computed (a whole prompt, a chunk's rest, or 1 when decoding)."""
-        return len(self.token_ids) - self.num_computed_tokens
-
-    @property
-    def is_prefilling(self) -> bool:
-        return len(self.token_ids) - self.num_computed_tokens > 1
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
+    num_prompt_tokens = property(lambda self: len(self.prompt_token_ids))
+    num_tokens = property(lambda self: len(self.token_ids))
+    num_output_tokens = property(lambda self: len(self.token_ids) - len(self.prompt_token_ids))
+    output_token_ids = property(lambda self: self.token_ids[len(self.prompt_token_ids) :])
+    # Tokens whose KV is not yet computed (a whole prompt, a chunk's rest, or 1 when decoding).
+    num_pending_tokens = property(lambda self: len(self.token_ids) - self.num_computed_tokens)
+    is_prefilling = property(lambda self: len(self.token_ids) - self.num_computed_tokens > 1)
+    is_finished = property(lambda self: self.status is SequenceStatus.FINISHED)
 
     def append_token(self, token_id: int, now: float) -> None:
         self.token_ids.append(token_id)
@@ -217,12 +195,5 @@ class SeqView:
             return self._blocks.lookup(seq)
         return seq.num_cached_prompt_tokens
 
-    @property
-    def num_pending_tokens(self) -> int:
-        seq = self._seq
-        return len(seq.token_ids) - seq.num_computed_tokens
-
-    @property
-    def is_prefilling(self) -> bool:
-        seq = self._seq
-        return len(seq.token_ids) - seq.num_computed_tokens > 1
+    num_pending_tokens = property(lambda self: len(self._seq.token_ids) - self._seq.num_computed_tokens)
+    is_prefilling = property(lambda self: len(self._seq.token_ids) - self._seq.num_computed_tokens > 1)

@@ -41,7 +41,6 @@ from cbcore.scheduling.sequence import FinishReason, Sequence, SequenceStatus
 
 log = get_logger(__name__)
 
-WAITING = SequenceStatus.WAITING
 MAX_IDLE_STEPS = 8
 WINDOW_CAPACITIES = 4
 _seq_of = attrgetter("seq")
@@ -114,12 +113,9 @@ class StepTransaction:
         # sequences are not visited unless the step is undone (thousands may wait), and a stamp at or after
         # ``mark`` is this step's. Otherwise: (a waiting seq without KV, its first_scheduled_time) for each.
         self.mark = sched.clock() if hasattr(sched, "holding") else steps.planned
-        held, self.idle = (sched.holding(), None) if self.mark > steps.planned else ([], [])
-        for s in live if self.idle is not None else ():
-            if s.block_table or s.status is not WAITING:
-                held.append(s)
-            else:
-                self.idle.append((s, s.first_scheduled_time))
+        quick, waiting = self.mark > steps.planned, SequenceStatus.WAITING
+        held = sched.holding() if quick else [s for s in live if s.block_table or s.status is not waiting]
+        self.idle = None if quick else [(s, s.first_scheduled_time) for s in live if not s.block_table and s.status is waiting]
         self.held = [(s, s.status, s.num_computed_tokens, s.num_preemptions, s.block_table, len(s.block_table)) for s in held]
         self.blocks_point = sched.blocks.undo_point()
         self.restore_own = sched.snapshot()
@@ -193,7 +189,8 @@ class StepTransaction:
             if written:
                 self.drop_overwritten(seq, written)
         held = {seq for seq, *_ in self.held}
-        idle = self.idle if self.idle is not None else [(s, _before(s.first_scheduled_time, self.mark)) for s in self.live if s not in held]
+        idle = self.idle if self.idle is not None else [  # a stamp at or after the mark is this step's
+            (s, t if (t := s.first_scheduled_time) is None or t < self.mark else None) for s in self.live if s not in held]
         for seq, first_scheduled in idle:
             seq.status, seq.num_computed_tokens, seq.block_table = SequenceStatus.WAITING, 0, []
             seq.first_scheduled_time, seq.finish_reason, seq.finish_time, seq.error = first_scheduled, None, None, None
@@ -278,10 +275,6 @@ def check_plan(out: SchedulerOutput, blocks: Any, culprit: str) -> tuple[StepPla
         if {h for h, _ in out.swap_in} & {h for _, h in out.swap_out}:
             _fail(culprit, "no host block is swapped out and in in one step", "a host block is both")
     return StepPlan(rows, out.swap_out, out.swap_in, total, decodes), total, sampled
-
-
-def _before(stamp: float | None, mark: float) -> float | None:
-    return None if stamp is None or stamp >= mark else stamp
 
 
 def _diagnose(item: Any, block_size: int, culprit: str) -> None:
