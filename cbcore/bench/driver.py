@@ -197,15 +197,16 @@ def drive(
         if not isinstance(out.output_token_ids, list):
             out = replace(out, output_token_ids=list(out.output_token_ids))
         done[i] = out
-        if len(done) % 512 == 0:  # an ended sequence and its view form a cycle: without this, a long run
-            gc.collect()  # keeps thousands of them (tokens, block hashes) until Python's rare full collection
+        if simulated and len(done) % 512 == 0:  # an ended sequence and its view form a cycle: a long run would
+            gc.collect()  # keep thousands (tokens, block hashes) until a rare full collection (no pause on a wall clock)
         arrivals.finished(i, out, clocks[where]())
         placement.done(out.request_id, where)
         bar.update(1)
 
-    gc.freeze()  # what exists now (modules, the workload) lives on: the collections below skip it
     with recorded_steps(*engines) as steps, contextlib.ExitStack() as after:
-        after.callback(gc.unfreeze)
+        if simulated:  # what exists now (modules, the workload) lives on: the collections below skip it
+            gc.freeze()
+            after.callback(gc.unfreeze)
         while len(done) < len(requests):
             due = arrivals.next_time()  # None: the next requests wait on answers still running
             busy = [j for j, e in enumerate(engines) if e.has_unfinished()]
