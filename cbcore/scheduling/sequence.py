@@ -127,8 +127,8 @@ class Prefix(Seq[int]):
     def __len__(self) -> int:
         return self._n
 
-    def __getitem__(self, index: Any) -> Any:
-        return self._ids[: self._n][index]
+    def __getitem__(self, index: Any) -> Any:  # one id without copying the prefix; a slice copies
+        return self._ids[range(self._n)[index]] if isinstance(index, int) else self._ids[: self._n][index]
 
     def __iter__(self) -> Iterator[int]:
         return iter(self._ids[: self._n])
