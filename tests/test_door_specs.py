@@ -17,7 +17,7 @@ import pytest
 
 from cbcore.policies import FCFS, ChunkedPrefill, Recompute, TokenBudget
 from cbcore.scheduling.door import SIGNALLED, Door, GuardedScheduler, PolicyError, interrupted
-from cbcore.scheduling.policy import StepLimits
+from cbcore.scheduling.policy import PrefillPolicy, StepLimits
 from cbcore.scheduling.sampling_params import SamplingParams
 from cbcore.scheduling.sequence import Sequence
 
@@ -26,8 +26,8 @@ def seqs(*rids: str) -> list[Sequence]:
     return [Sequence(rid, [1, 2], SamplingParams()) for rid in rids]
 
 
-def door(queue=None, budget=None) -> Door:
-    return Door(queue or FCFS(), budget or TokenBudget(), ChunkedPrefill(), Recompute())
+def door(queue=None, budget=None, prefill=None) -> Door:
+    return Door(queue or FCFS(), budget or TokenBudget(), prefill or ChunkedPrefill(), Recompute())
 
 
 @pytest.fixture
@@ -68,7 +68,15 @@ class InheritsFixedKeys(ClassLevelFixedKeys):
     name = "inherits-fixed-keys"
 
 
-@pytest.mark.parametrize("cls", [ClassLevelFixedKeys, InheritsFixedKeys])
+class FixedKeysMixin:
+    fixed_keys = True
+
+
+class MixesInFixedKeys(FCFS, FixedKeysMixin):  # the mixin comes last in the MRO, before object
+    name = "mixes-in-fixed-keys"
+
+
+@pytest.mark.parametrize("cls", [ClassLevelFixedKeys, InheritsFixedKeys, MixesInFixedKeys])
 def test_a_policy_class_that_sets_a_dropped_name_is_refused(cls) -> None:
     with pytest.raises(TypeError, match="sets 'fixed_keys', which cbcore no longer reads"):
         door(cls())
@@ -224,3 +232,132 @@ def test_a_whole_scheduler_plugins_failures_are_named_after_it_and_its_other_att
     assert guarded.note == "read through"
     with pytest.raises(ValueError, match="helper failed"):  # not one of the scheduler's methods: not guarded
         guarded.helper()
+
+
+class Answers(PrefillPolicy):
+    """Answers ``answer`` to every num_tokens() question, and remembers whom it was asked about."""
+
+    name = "answers"
+
+    def __init__(self, answer: object) -> None:
+        super().__init__()
+        self.answer, self.asked = answer, []
+
+    def num_tokens(self, seq, tokens_left, scheduled):
+        self.asked.append(seq.request_id)
+        return self.answer
+
+
+def computed(rid: str, length: int, done: int) -> Sequence:
+    seq = Sequence(rid, list(range(1, length + 1)), SamplingParams())
+    seq.num_computed_tokens = done
+    return seq
+
+
+@pytest.mark.parametrize("answer", [0, 5])
+def test_a_sequence_with_one_pending_token_runs_it_without_asking_the_prefill_policy(answer) -> None:
+    prefill = Answers(answer)
+    d = door(prefill=prefill)
+    assert d.num_tokens(computed("decode", 5, 4), 8, ()) == 1
+    assert d.num_tokens(computed("first", 1, 0), 8, ()) == 1  # a one-token prompt
+    assert prefill.asked == []
+
+
+@pytest.mark.parametrize(("length", "done"), [(10, 4), (6, 4), (3, 0)])
+def test_a_prefill_answer_above_what_is_pending_runs_all_that_is_pending(length, done) -> None:
+    prefill = Answers(100)
+    assert door(prefill=prefill).num_tokens(computed("p", length, done), 8, ()) == length - done
+    assert prefill.asked == ["p"]
+    assert door(prefill=Answers(0)).num_tokens(computed("p", length, done), 8, ()) == 0  # not this step
+
+
+@pytest.mark.parametrize("answer", [-1, -2, 2.5, "3", None, True])
+def test_num_tokens_must_answer_an_int_of_at_least_zero(answer) -> None:
+    with pytest.raises(PolicyError, match=r"num_tokens\(\) returns an int >= 0") as caught:
+        door(prefill=Answers(answer)).num_tokens(computed("p", 10, 0), 8, ())
+    assert caught.value.request_id == "p"
+
+
+class Hears(FCFS):
+    """Records the arrivals and finishes it hears."""
+
+    name = "hears"
+    _fixed_keys = False  # asked every step
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.arrived, self.finished = [], []
+
+    def on_arrival(self, seq, now):
+        self.arrived.append(seq.request_id)
+
+    def on_finish(self, seq, now):
+        self.finished.append(seq.request_id)
+
+
+ASKED = {
+    "may_admit": lambda d, seq: d.may_admit(seq, None),
+    "key": lambda d, seq: d.key(seq, 0.0),
+    "num_tokens": lambda d, seq: d.num_tokens(seq, 8, ()),
+    "on_arrival": lambda d, seq: d.arrived(seq, 0.0),
+}
+
+
+@pytest.mark.parametrize("question", list(ASKED))
+def test_any_question_about_a_sequence_answered_after_the_watchdog_gave_up_fails_that_request(question) -> None:
+    a, b = seqs("a", "b")
+    d = door(Hears())
+    ASKED[question](d, a)  # nothing overdue: nothing fails
+    d.overdue = (b, "queue policy 'hears'", "took longer than the watchdog's bound")
+    ASKED[question](d, a)  # overdue about another request: this one is answered
+    assert d.overdue is not None
+    with pytest.raises(PolicyError, match=r"took longer than the watchdog's bound \(request 'b'\)") as caught:
+        ASKED[question](d, b)
+    assert caught.value.request_id == "b" and d.overdue is None
+
+
+def test_the_policies_told_of_an_arrival_hear_it_finish_when_a_later_one_refuses_it() -> None:
+    queue = Hears()
+    with pytest.raises(PolicyError, match=r"budget policy 'refuses-arrivals' raised in on_arrival\(\)"):
+        door(queue, RefusesArrivals()).arrived(seqs("a")[0], 0.0)
+    assert queue.arrived == ["a"] and queue.finished == ["a"]
+
+
+def test_an_on_finish_that_raises_is_returned_as_that_policys_failure_about_the_request() -> None:
+    (failure,) = door(ForgetsBadly()).finished(seqs("a")[0], 0.0)
+    assert isinstance(failure, PolicyError) and failure.request_id == "a"
+    assert failure.plugin == "queue policy 'forgets-badly'" and failure.rule == "on_finish() raised"
+    assert door(Hears()).finished(seqs("a")[0], 0.0) == []
+
+
+class OrderRaises(FCFS):
+    """An order() that raises ``exc`` every time, counting the calls."""
+
+    name = "order-raises"
+    _fixed_keys = False  # asked every step
+
+    def __init__(self, exc: BaseException) -> None:
+        super().__init__()
+        self.exc, self.calls = exc, 0
+
+    def order(self, views, now):
+        self.calls += 1
+        raise self.exc
+
+
+def test_a_policy_out_of_memory_stops_the_engine_without_being_asked_again_request_by_request() -> None:
+    queue = OrderRaises(MemoryError())
+    with pytest.raises(PolicyError, match=r"raised in order\(\): MemoryError") as caught:
+        door(queue).order(seqs("a", "b", "c"), 0.0)
+    assert caught.value.request_id is None and queue.calls == 1
+
+
+def test_a_ctrl_c_during_a_policy_call_is_a_shutdown_without_asking_again(python_sigint) -> None:
+    queue = OrderRaises(KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        door(queue).order(seqs("a", "b", "c"), 0.0)
+    assert queue.calls == 1
+    failing = OrderRaises(ValueError("cannot order"))  # the policy's own error: asked one at a time to name one
+    with pytest.raises(PolicyError, match=r"raised in order\(\) for request 'a'"):
+        door(failing).order(seqs("a", "b", "c"), 0.0)
+    assert failing.calls == 2

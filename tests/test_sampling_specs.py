@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from cbcore.execution.sampler import sample, sample_each
@@ -50,3 +51,26 @@ def test_a_batch_that_samples_reports_no_errors() -> None:
     rows = [row(SamplingParams(temperature=0.0)), row(SamplingParams(temperature=0.0))]
     tokens, _, errors = sample_each(logits, rows, [])
     assert tokens == logits.argmax(dim=-1).tolist() and errors == [None, None]
+
+
+def test_only_the_rows_that_ask_for_logprobs_get_them() -> None:
+    logits = torch.tensor([[0.0, 2.0, 1.0, -1.0], [3.0, 0.0, 1.0, 2.0]])
+    rows = [row(SamplingParams(temperature=0.0, logprobs=1)), row(SamplingParams(temperature=0.0))]
+    tokens, top = sample(logits, rows)
+    assert tokens == [1, 0] and top[0].keys() == {1} and top[1] is None
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_seeded_request_draws_on_cuda_what_it_draws_on_the_cpu() -> None:
+    """The generators are CPU-side, so a request's tokens do not depend on the device its logits are on.
+
+    Equal logits give probabilities that are exact on both devices (a quarter each), so the draws match.
+    """
+    params = SamplingParams(temperature=1.0)
+    drawn = {}
+    for device in ("cpu", "cuda"):
+        seeded = row(params, seed=7)
+        logits = torch.zeros(1, 4, device=device)
+        drawn[device] = [sample(logits, [seeded])[0][0] for _ in range(32)]
+    assert drawn["cuda"] == drawn["cpu"] and len(set(drawn["cpu"])) > 1

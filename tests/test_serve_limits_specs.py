@@ -8,6 +8,8 @@ from __future__ import annotations
 import pytest
 from test_serve_limits_boundaries import CONTEXT, KV_TOKENS, by_context, by_kv, refused, served, tokenizer
 
+from cbcore.serve.convert import Limits, max_new_tokens
+
 __all__ = ["by_context", "by_kv", "tokenizer"]  # fixtures, shared with the boundary tests
 
 
@@ -26,6 +28,22 @@ def test_token_ids_from_zero_to_the_last_of_the_vocabulary_are_taken_and_no_othe
     for bad in (vocab, -1):
         message = refused(ids(by_context, [5, bad]), "prompt")
         assert f"token id {bad} is outside the vocabulary (size {vocab})" in message
+    for first, second in ((vocab, -1), (-1, vocab)):  # the first one outside is named, whichever end it is at
+        message = refused(ids(by_context, [5, first, 6, second]), "prompt")
+        assert f"token id {first} is outside the vocabulary" in message
+
+
+@pytest.mark.parametrize(
+    ("prompt_len", "max_model_len", "kv_tokens", "room"),
+    [(10, 48, 1000, 38), (10, 48, 20, 11), (10, None, 20, 11), (48, 48, 1000, 1), (30, None, 20, 1)],
+)
+def test_without_max_tokens_a_request_may_generate_the_room_left_and_never_fewer_than_one(
+    prompt_len, max_model_len, kv_tokens, room
+) -> None:
+    """The context holds prompt + output; the KV cache all but the last generated token. A prompt that
+    leaves no room (refused before this, by check_prompt) still gets a default of one token, never zero."""
+    limits = Limits(vocab_size=100, max_model_len=max_model_len, kv_tokens=kv_tokens)
+    assert max_new_tokens(None, prompt_len, limits, "max_tokens") == room
 
 
 @pytest.mark.parametrize(("server", "room"), [("by_context", CONTEXT - 1), ("by_kv", KV_TOKENS)])

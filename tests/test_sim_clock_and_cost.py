@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import ClassVar
 
 import pytest
+from pydantic import ValidationError
 
 import cbcore.sim.suite as sim_suite
 from cbcore.bench.generator import generate
@@ -15,7 +17,7 @@ from cbcore.sim.executor import VirtualClock
 from cbcore.sim.fitted import FitError, FittedCost
 from cbcore.sim.model_shape import ModelShape
 from cbcore.sim.profile import Identity, Profile, load_profile
-from cbcore.sim.roofline import Hardware, RooflineCost
+from cbcore.sim.roofline import Hardware, RooflineCost, attention_coefficients
 from cbcore.sim.shape import StepShape
 
 
@@ -215,3 +217,44 @@ def test_the_fitted_model_prices_a_step_as_computed_by_hand():
     assert cost.step_time(wide) == pytest.approx(
         0.040 * 64 / 32 + 5e-4, rel=1e-12
     )  # past the last knot: in proportion
+
+
+# A grouped-query model: 8 query heads sharing 2 K/V heads of 4 dims, in one layer.
+GQA = MODEL.model_copy(update={"name": "gqa", "num_layers": 1, "hidden_size": 32, "num_heads": 8, "num_kv_heads": 2})
+
+
+def test_attention_costs_per_pair_per_key_and_per_query_as_computed_by_hand():
+    """4 * heads * head_dim FLOPs per query-key pair at the attention share of peak; K and V of every
+    K/V head per key, and the query in and its output out per query token, at the achieved bandwidth."""
+    per_pair, per_key, per_query = attention_coefficients(HW, GQA, 2)
+    assert per_pair == pytest.approx(4 * 8 * 4 / (1e12 * 0.25), rel=1e-12)
+    assert per_key == pytest.approx(2 * 2 * 4 * 2 / (1e9 * 0.5), rel=1e-12)
+    assert per_query == pytest.approx(2 * 8 * 4 * 2 / (1e9 * 0.5), rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("tp", "heads", "kv_heads"),
+    [(1, 8, 2), (2, 4, 1), (4, 2, 1), (8, 1, 1)],  # fewer K/V heads than GPUs: each GPU holds one
+)
+def test_tensor_parallelism_splits_the_query_heads_and_the_kv_heads_it_can(tp, heads, kv_heads):
+    per_pair, per_key, per_query = attention_coefficients(HW, GQA, 2, tp)
+    assert per_pair == pytest.approx(4 * heads * 4 / (1e12 * 0.25), rel=1e-12)
+    assert per_key == pytest.approx(2 * kv_heads * 4 * 2 / (1e9 * 0.5), rel=1e-12)
+    assert per_query == pytest.approx(2 * heads * 4 * 2 / (1e9 * 0.5), rel=1e-12)
+
+
+def test_a_compute_bound_attention_costs_its_pairs():
+    """Many pairs over few keys (a long prompt chunk at once): the FLOPs, not the reads, set the time."""
+    cost = RooflineCost(hardware=HW)
+    base = StepShape(num_seqs=1, prefill_tokens=4, decode_tokens=0, attn_pairs=10**6, kv_tokens=4, sample_rows=())
+    more = dataclasses.replace(base, attn_pairs=10**6 + 1000)
+    extra = cost.step_time(more, GQA, 2, 16) - cost.step_time(base, GQA, 2, 16)
+    assert extra == pytest.approx(1000 * 4 * 8 * 4 / (1e12 * 0.25), rel=1e-6)  # one layer
+
+
+def test_a_cost_model_cannot_be_changed_once_built():
+    cost = RooflineCost(hardware=HW)
+    with pytest.raises(ValidationError, match="frozen"):
+        cost.hardware = HW.model_copy(update={"peak_flops": 2e12})
+    with pytest.raises(ValidationError, match="frozen"):
+        HW.peak_flops = 2e12
