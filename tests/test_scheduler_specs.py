@@ -186,22 +186,23 @@ def test_a_running_request_that_outgrows_the_whole_cache_alone_fails_naming_its_
     assert "needs 3 KV blocks for 9 tokens but the cache has 2 blocks of 4" in seq.error
 
 
-class Shrinking(TokenBudget):
-    """Three sequences a step for the first two steps, then two: a limit that drops below the running set."""
+class Narrowing(TokenBudget):
+    """(sequences, tokens) a step up to step ``until``, then ``then``: limits that drop below what runs."""
 
-    name = "shrinking"
+    name = "narrowing"
 
-    def __init__(self) -> None:
-        super().__init__(TokenBudgetParams(max_num_seqs=3, max_num_batched_tokens=64))
+    def __init__(self, until: int, first: tuple[int, int], then: tuple[int, int]) -> None:
+        super().__init__(TokenBudgetParams(max_num_seqs=first[0], max_num_batched_tokens=first[1]))
+        self.until, self.first, self.then = until, first, then
 
     def limits(self, state):
-        limits = super().limits(state)
-        return type(limits)(max_num_seqs=3 if state.step <= 2 else 2, max_num_tokens=limits.max_num_tokens)
+        seqs, tokens = self.first if state.step <= self.until else self.then
+        return type(super().limits(state))(max_num_seqs=seqs, max_num_tokens=tokens)
 
 
 @pytest.mark.parametrize("order", ["decode-first", "prefill-first"])
 def test_a_step_never_schedules_more_sequences_than_its_limit_even_below_the_running_count(order: str) -> None:
-    run = FakeRun(FCFS(), Shrinking(), ChunkedPrefill(ChunkedPrefillParams(chunk_size=4)), order=order)
+    run = FakeRun(FCFS(), Narrowing(2, (3, 64), (2, 64)), ChunkedPrefill(ChunkedPrefillParams(chunk_size=4)), order=order)
     for rid in "abc":
         run.add(rid, prompt_len=6, max_new=5)
     run.run()
@@ -286,21 +287,8 @@ def test_a_waiting_request_is_admitted_with_the_last_token_of_the_budget() -> No
     assert run.step().chunks == [("a", 1, True), ("b", 1, False)]
 
 
-class NarrowingTokens(TokenBudget):
-    """Three tokens a step for the first step, then two: more running decodes than tokens."""
-
-    name = "narrowing-tokens"
-
-    def __init__(self) -> None:
-        super().__init__(TokenBudgetParams(max_num_seqs=4, max_num_batched_tokens=3))
-
-    def limits(self, state):
-        limits = super().limits(state)
-        return type(limits)(max_num_seqs=4, max_num_tokens=3 if state.step == 1 else 2)
-
-
 def test_running_decodes_beyond_the_token_budget_take_turns_in_full_steps() -> None:
-    run = FakeRun(FCFS(), NarrowingTokens(), ChunkedPrefill())
+    run = FakeRun(FCFS(), Narrowing(1, (4, 3), (4, 2)), ChunkedPrefill())  # 3 tokens, then 2
     for rid in "abc":
         run.add(rid, prompt_len=1, max_new=3)
     run.run()
