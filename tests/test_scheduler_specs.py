@@ -13,6 +13,7 @@ import pytest
 from cbcore.policies import FCFS, ChunkedPrefill, Priority, Recompute, Swap, TokenBudget, WholePrompt
 from cbcore.policies.chunked_prefill import ChunkedPrefillParams
 from cbcore.policies.token_budget import TokenBudgetParams
+from cbcore.scheduling.scheduler import SchedulerStall
 from cbcore.scheduling.sequence import SequenceStatus
 from cbcore.testing.fake_run import FakeRun, budget
 
@@ -185,22 +186,23 @@ def test_a_running_request_that_outgrows_the_whole_cache_alone_fails_naming_its_
     assert "needs 3 KV blocks for 9 tokens but the cache has 2 blocks of 4" in seq.error
 
 
-class Shrinking(TokenBudget):
-    """Three sequences a step for the first two steps, then two: a limit that drops below the running set."""
+class Narrowing(TokenBudget):
+    """(sequences, tokens) a step up to step ``until``, then ``then``: limits that drop below what runs."""
 
-    name = "shrinking"
+    name = "narrowing"
 
-    def __init__(self) -> None:
-        super().__init__(TokenBudgetParams(max_num_seqs=3, max_num_batched_tokens=64))
+    def __init__(self, until: int, first: tuple[int, int], then: tuple[int, int]) -> None:
+        super().__init__(TokenBudgetParams(max_num_seqs=first[0], max_num_batched_tokens=first[1]))
+        self.until, self.first, self.then = until, first, then
 
     def limits(self, state):
-        limits = super().limits(state)
-        return type(limits)(max_num_seqs=3 if state.step <= 2 else 2, max_num_tokens=limits.max_num_tokens)
+        seqs, tokens = self.first if state.step <= self.until else self.then
+        return type(super().limits(state))(max_num_seqs=seqs, max_num_tokens=tokens)
 
 
 @pytest.mark.parametrize("order", ["decode-first", "prefill-first"])
 def test_a_step_never_schedules_more_sequences_than_its_limit_even_below_the_running_count(order: str) -> None:
-    run = FakeRun(FCFS(), Shrinking(), ChunkedPrefill(ChunkedPrefillParams(chunk_size=4)), order=order)
+    run = FakeRun(FCFS(), Narrowing(2, (3, 64), (2, 64)), ChunkedPrefill(ChunkedPrefillParams(chunk_size=4)), order=order)
     for rid in "abc":
         run.add(rid, prompt_len=6, max_new=5)
     run.run()
@@ -216,3 +218,112 @@ def test_more_decodes_than_the_token_budget_take_turns() -> None:
     run.run()
     assert all(s.plan.num_tokens <= 2 for s in run.steps)
     assert all(s.num_output_tokens == 3 for s in run.seqs.values())
+
+
+
+class TightWhileSwapped(TokenBudget):
+    """While a request is swapped out: ``spare`` sequence slots and ``spare`` tokens beyond the running decodes."""
+
+    name = "tight-while-swapped"
+
+    def __init__(self, slots: int, tokens: int) -> None:
+        super().__init__(TokenBudgetParams(max_num_seqs=4, max_num_batched_tokens=64))
+        self.slots, self.tokens = slots, tokens
+
+    def limits(self, state):
+        limits = super().limits(state)
+        if not state.swapped:
+            return limits
+        running = len(state.running)
+        return type(limits)(max_num_seqs=max(1, running + self.slots), max_num_tokens=max(1, running + self.tokens))
+
+
+SHORT_REQUESTS = (("a", 5, 8), ("b", 5, 8), ("c", 5, 8))  # in 5 blocks: one is swapped out
+LONG_AND_SHORT = (("a", 9, 12), ("b", 2, 4), ("c", 2, 4))  # in 6 blocks: a short one is swapped out
+
+
+def swap_run(budget_policy: TokenBudget, requests, num_blocks: int) -> FakeRun:
+    """(request, prompt, max_new) requests in blocks of 4, swapping; every plan is checked as the engine does."""
+    run = FakeRun(FCFS(), budget_policy, ChunkedPrefill(ChunkedPrefillParams(chunk_size=4)), Swap(),
+                  num_blocks=num_blocks, host_blocks=16)  # fmt: skip
+    for rid, prompt, max_new in requests:
+        run.add(rid, prompt_len=prompt, max_new=max_new)
+    run.run()
+    assert any(s.out.swap_out for s in run.steps)
+    assert [s.num_output_tokens for s in run.seqs.values()] == [max_new for _, _, max_new in requests]
+    return run
+
+
+def test_a_swapped_out_decode_stays_out_of_a_step_whose_tokens_the_running_decodes_used_up() -> None:
+    run = swap_run(TightWhileSwapped(slots=2, tokens=0), LONG_AND_SHORT, num_blocks=6)
+    assert all(s.plan.num_tokens <= s.out.limits.max_num_tokens for s in run.steps)
+
+
+@pytest.mark.parametrize(("slots", "tokens"), [(1, 64), (4, 1)], ids=["last-slot", "last-token"])
+def test_a_swapped_out_decode_takes_the_last_sequence_slot_or_token_of_a_step(slots: int, tokens: int) -> None:
+    run = swap_run(TightWhileSwapped(slots=slots, tokens=tokens), SHORT_REQUESTS, num_blocks=5)
+    assert any(len(s.out.scheduled) > 1 for s in run.steps if s.out.swap_in)
+
+
+def test_the_first_running_prompt_given_no_tokens_sits_the_step_out_and_those_after_it_run() -> None:
+    deferred: set[str] = set()
+    run = FakeRun(FCFS(), budget(4, 64), Defers(deferred))
+    run.add("a", prompt_len=12, max_new=3)
+    run.add("b", prompt_len=12, max_new=3)
+    run.step()
+    deferred.add("a")
+    assert [c[0] for c in run.step().chunks] == ["b"]
+
+
+def test_a_waiting_request_is_admitted_with_the_last_token_of_the_budget() -> None:
+    run = FakeRun(FCFS(), budget(4, 5), ChunkedPrefill(ChunkedPrefillParams(chunk_size=4)))
+    run.add("a", prompt_len=4, max_new=2)
+    run.add("b", prompt_len=4, max_new=2)
+    assert run.step().chunks == [("a", 4, True), ("b", 1, False)]
+    run = FakeRun(FCFS(), budget(4, 2), ChunkedPrefill(ChunkedPrefillParams(chunk_size=4)))
+    run.add("a", prompt_len=2, max_new=3)
+    run.step()
+    run.add("b", prompt_len=4, max_new=2)  # after a's decode one token is left, at the admission phase's start
+    assert run.step().chunks == [("a", 1, True), ("b", 1, False)]
+
+
+def test_running_decodes_beyond_the_token_budget_take_turns_in_full_steps() -> None:
+    run = FakeRun(FCFS(), Narrowing(1, (4, 3), (4, 2)), ChunkedPrefill())  # 3 tokens, then 2
+    for rid in "abc":
+        run.add(rid, prompt_len=1, max_new=3)
+    run.run()
+    assert [s.plan.num_tokens for s in run.steps] == [3, 2, 2, 1, 1]  # FCFS: a and b end first, then c alone
+
+
+def test_a_waiting_request_alone_given_no_tokens_is_not_taken_for_one_too_big_for_the_cache() -> None:
+    # It stops admission (no overtaking), so the step plans nothing: the policy's stall, not the request's error.
+    run = FakeRun(FCFS(), budget(4, 64), Defers({"a"}))
+    run.add("a", prompt_len=8, max_new=2)
+    run.add("b", prompt_len=4, max_new=2)
+    with pytest.raises(SchedulerStall, match="planned no tokens while work waits"):
+        run.step()
+    assert run.seqs["a"].status is SequenceStatus.WAITING and run.seqs["a"].error is None
+
+
+def test_with_blocks_of_one_token_each_decode_takes_one_block() -> None:
+    run = FakeRun(FCFS(), budget(4, 64), WholePrompt(), block_size=1)
+    for rid in "ab":
+        run.add(rid, prompt_len=3, max_new=4)
+    for _ in range(3):
+        run.step()
+        assert all(len(s.block_table) == s.num_computed_tokens for s in run.seqs.values())
+
+
+class FailingFinish(FCFS):
+    """FCFS whose ``on_finish`` raises."""
+
+    name = "failing-finish"
+
+    def on_finish(self, seq, now):
+        raise RuntimeError("on_finish failed")
+
+
+def test_an_abort_whose_finish_event_raises_still_ends_the_request_and_returns_it() -> None:
+    run = FakeRun(FailingFinish(), budget(4, 64), WholePrompt())
+    seq = run.add("a", prompt_len=4)
+    assert run.sched.abort("a") is seq and seq.finish_reason.value == "abort" and not run.sched.has_unfinished()

@@ -297,3 +297,29 @@ def test_a_finish_event_raising_is_logged_the_request_keeps_its_result_and_the_n
     run.step()
     assert run.done["a"].finish_reason == "length"
     run.finish_exactly()
+
+
+def test_a_forward_raising_after_reusing_only_the_last_block_of_a_request_costs_it_that_block(models, monkeypatch):
+    """z is preempted and x's decode writes the first slot of z's last block (one token of z in it): undone,
+    z keeps its full first block and computes its fifth token again; nothing else differs."""
+    run = Run(models["llama"], num_blocks=4)
+    run.add("x", PROMPTS[3][:7])
+    run.step()
+    run.add("z", PROMPTS[6][:4])
+    run.step(2)
+    get = run.engine.scheduler.get
+    assert [get(r).num_computed_tokens for r in "xz"] == [8, 5]
+    assert run.engine.scheduler.blocks.num_free_blocks == 0
+    before = engine_state(run.engine, run.prompts)
+    z_first, z_last = before["requests"]["z"]["block_table"]
+    forward_fails_once_after_writing(run, monkeypatch)
+    with pytest.raises(RuntimeError, match="device lost"):
+        run.engine.step()
+    expected = copy.deepcopy(before)
+    expected["requests"]["z"].update(num_computed_tokens=4, block_table=[z_first])
+    expected["blocks"].update(num_free_blocks=1, num_used_blocks=3)
+    expected["blocks"]["ref_counts"][z_last] = 0
+    assert_same_state(expected, engine_state(run.engine, run.prompts))
+    assert run.engine.abort("x")
+    del run.prompts["x"]
+    run.finish_exactly()
