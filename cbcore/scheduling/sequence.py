@@ -8,7 +8,7 @@ from array import array
 from collections.abc import Iterator, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from cbcore.scheduling.request import EMPTY_ATTRS
 from cbcore.scheduling.sampling_params import SamplingParams
@@ -140,6 +140,10 @@ _GONE = {
 }
 
 
+def _gone(name: str) -> NoReturn:
+    raise AttributeError(f"a sequence view has no {name!r}: {_GONE[name]}")
+
+
 class SeqView:
     """What a policy is handed for a sequence: every field reads the live sequence, none can be written.
 
@@ -169,9 +173,10 @@ class SeqView:
 
     __delattr__ = __setattr__  # type: ignore[assignment]
 
-    def __getattr__(self, name: str) -> Any:  # only for names that are not fields
-        hint = _GONE.get(name)
-        raise AttributeError(f"a sequence view has no {name!r}" + (f": {hint}" if hint else ""))
+    # Names that left the view say what replaces them. Properties, not a __getattr__: a class with a
+    # __getattr__ hook gets no specialised attribute reads, which every field read of a policy would pay.
+    policy_state = property(lambda self: _gone("policy_state"))
+    token_ids = property(lambda self: _gone("token_ids"))
 
     def __repr__(self) -> str:
         return f"SeqView({self.request_id!r})"
