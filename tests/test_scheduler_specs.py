@@ -95,14 +95,15 @@ class Defers(ChunkedPrefill):
         return 0 if seq.request_id in self.deferred else super().num_tokens(seq, tokens_left, scheduled)
 
 
-def test_a_running_prompt_given_no_tokens_sits_the_step_out_and_the_others_run() -> None:
+@pytest.mark.parametrize(("sits_out", "runs"), [("b", "a"), ("a", "b")], ids=["the-last", "the-first"])
+def test_a_running_prompt_given_no_tokens_sits_the_step_out_and_the_others_run(sits_out: str, runs: str) -> None:
     deferred: set[str] = set()
     run = FakeRun(FCFS(), budget(4, 64), Defers(deferred))
     run.add("a", prompt_len=12, max_new=3)
     run.add("b", prompt_len=12, max_new=3)
     run.step()
-    deferred.add("b")
-    assert [c[0] for c in run.step().chunks] == ["a"]
+    deferred.add(sits_out)
+    assert [c[0] for c in run.step().chunks] == [runs]
     deferred.clear()
     run.run()
     assert all(s.num_output_tokens == 3 for s in run.seqs.values())
@@ -263,16 +264,6 @@ def test_a_swapped_out_decode_stays_out_of_a_step_whose_tokens_the_running_decod
 def test_a_swapped_out_decode_takes_the_last_sequence_slot_or_token_of_a_step(slots: int, tokens: int) -> None:
     run = swap_run(TightWhileSwapped(slots=slots, tokens=tokens), SHORT_REQUESTS, num_blocks=5)
     assert any(len(s.out.scheduled) > 1 for s in run.steps if s.out.swap_in)
-
-
-def test_the_first_running_prompt_given_no_tokens_sits_the_step_out_and_those_after_it_run() -> None:
-    deferred: set[str] = set()
-    run = FakeRun(FCFS(), budget(4, 64), Defers(deferred))
-    run.add("a", prompt_len=12, max_new=3)
-    run.add("b", prompt_len=12, max_new=3)
-    run.step()
-    deferred.add("a")
-    assert [c[0] for c in run.step().chunks] == ["b"]
 
 
 def test_a_waiting_request_is_admitted_with_the_last_token_of_the_budget() -> None:
