@@ -42,13 +42,15 @@ def try_writes(obj: Any, path: str, depth: int = 2) -> list[Attempt]:
 
 
 def public_names(obj: Any) -> list[str]:
-    """The public names of what ``obj`` holds: a pydantic model's or a dataclass's fields, else its properties,
+    """The public names of what ``obj`` holds: a pydantic model's, a dataclass's or a named tuple's fields, else its properties,
     slots, instance attributes and methods (not a model's own API, nor anything of its class alone)."""
     cls = type(obj)
     if isinstance(getattr(cls, "model_fields", None), Mapping):
         return list(cls.model_fields)
     if dataclasses.is_dataclass(obj):
         return [f.name for f in dataclasses.fields(obj)]
+    if isinstance(obj, tuple) and isinstance(getattr(cls, "_fields", None), tuple):  # a named tuple
+        return list(cls._fields)
     held = (property, types.MemberDescriptorType, types.FunctionType)
     own = getattr(obj, "__dict__", {})
     return [n for n in dir(obj) if not n.startswith("_") and (n in own or isinstance(getattr(cls, n, None), held))]
