@@ -75,3 +75,27 @@ def test_an_undo_keeps_every_free_host_block() -> None:
     blocks.swap_out(seq)
     blocks.reset_to([], point)
     assert blocks.num_free_host_blocks == 3 and blocks.num_free_blocks == 4
+
+
+def test_a_swap_out_that_fills_the_host_pool_exactly_fits_and_one_block_more_does_not() -> None:
+    blocks = BlockManager(8, 4, num_host_blocks=2)
+    fits, too_big = Sequence("fits", list(range(8)), SamplingParams()), Sequence("big", list(range(9)), SamplingParams())
+    blocks.grow(fits, 8)  # 2 blocks: the whole host pool
+    blocks.grow(too_big, 9)  # 3 blocks
+    assert blocks.can_swap_out(fits) and not blocks.can_swap_out(too_big)
+    assert len(blocks.swap_out(fits)) == 2 and blocks.num_free_host_blocks == 0
+
+
+def test_an_admissions_lookup_is_counted_only_with_prefix_caching() -> None:
+    for caching in (False, True):
+        blocks = BlockManager(8, 4, prefix_caching=caching)
+        assert blocks.prefix_cache_queries_tokens == blocks.prefix_cache_hits_tokens == 0
+        first = Sequence("first", list(range(9)), SamplingParams())
+        blocks.record_lookup(first, blocks.acquire_cached(first))
+        blocks.grow(first, 9)
+        first.num_computed_tokens = 9
+        blocks.register_computed(first)
+        again = Sequence("again", list(range(9)), SamplingParams())
+        blocks.record_lookup(again, blocks.acquire_cached(again))
+        counted = (blocks.prefix_cache_queries_tokens, blocks.prefix_cache_hits_tokens, again.prefix_cache_hits)
+        assert counted == ((18, 8, 8) if caching else (0, 0, 0)), (caching, counted)
