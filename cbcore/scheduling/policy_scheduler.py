@@ -272,7 +272,7 @@ class PolicyScheduler:
         out, blocks, door, now = self._out, self.blocks, self.door, self._now
         if out.preempted or out.swap_in or self.swapped or not self.waiting or self._tokens_left <= 0:
             return
-        ordered = self._ordered if self._ordered is not None else list(self.waiting) if door.fixed_keys else door.order(self.waiting, now)
+        ordered = self._waiting_order()  # the order the budget saw, if it asked
         for seq in ordered:  # the list is unchanged while this phase runs
             if self._tokens_left <= 0:
                 break
