@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, StrictBool, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, StrictBool, ValidationInfo, model_validator
 
 from cbcore.cli.config_files import ConfigError as ConfigError  # raised by from_file / from_dict
 from cbcore.cli.config_files import apply_overrides, read_config_file, suggests_keys
@@ -168,14 +168,15 @@ class EngineConfig(Strict):
         return data
 
     @model_validator(mode="after")
-    def _check_plugins(self) -> Self:
+    def _check_plugins(self, info: ValidationInfo) -> Self:
         registry = get_registry(tuple(self.plugins))
         if self.scheduler.name is not None:
             registry.params_for("scheduler", self.scheduler.name, self.scheduler.params, "scheduler")
         for slot in SLOTS:
             spec: PluginSpec = getattr(self.scheduler, slot)
             registry.params_for(slot, spec.name, spec.params, f"scheduler.{slot}")
-        registry.params_for("backend", self.backend.name, self.backend.params, "backend")
+        if (info.context or {}).get("backend", True):  # a simulated engine has none: it runs no model (nor torch)
+            registry.params_for("backend", self.backend.name, self.backend.params, "backend")
         return self
 
     # -- loading -------------------------------------------------------------
@@ -185,8 +186,8 @@ class EngineConfig(Strict):
         return cls.from_dict(read_config_file(path), overrides)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], overrides: list[str] | None = None) -> Self:
-        return cls.model_validate(apply_overrides(data, overrides or []))
+    def from_dict(cls, data: dict[str, Any], overrides: list[str] | None = None, backend: bool = True) -> Self:
+        return cls.model_validate(apply_overrides(data, overrides or []), context={"backend": backend})
 
 
 def _non_finite(data: Any) -> tuple[str, float] | None:

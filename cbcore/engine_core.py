@@ -33,7 +33,7 @@ from cbcore.scheduling.policy_scheduler import build_scheduler
 from cbcore.scheduling.request import Prompt, Request, RequestError, check_request, encode_prompt
 from cbcore.scheduling.sampling_params import SamplingParams
 from cbcore.scheduling.scheduler import Scheduler, SchedulerError, SchedulerOutput
-from cbcore.scheduling.sequence import FinishReason, Sequence
+from cbcore.scheduling.sequence import FinishReason, Sequence, SequenceStatus
 from cbcore.scheduling.step import Steps, StepTransaction
 
 log = get_logger(__name__)
@@ -70,19 +70,10 @@ class EngineCore:
     """Continuous batching without a model: the loop, with the forward left to an executor."""
 
     def __init__(
-        self,
-        config: EngineConfig,
-        executor: Executor,
-        scheduler: Scheduler,
-        *,
-        vocab_size: int,
-        max_model_len: int | None,
-        names: Mapping[int, str],
-        eos_token_ids: Iterable[int] = (),
-        tokenizer: Any | None = None,
-        clock: Callable[[], float] = time.perf_counter,
-        deltas: bool = True,
-    ) -> None:
+        self, config: EngineConfig, executor: Executor, scheduler: Scheduler, *, vocab_size: int,
+        max_model_len: int | None, names: Mapping[int, str], eos_token_ids: Iterable[int] = (),
+        tokenizer: Any | None = None, clock: Callable[[], float] = time.perf_counter, deltas: bool = True,
+    ) -> None:  # fmt: skip
         self.config, self.executor, self.scheduler, self.tokenizer = config, executor, scheduler, tokenizer
         self.vocab_size, self.max_model_len, self.clock = vocab_size, max_model_len, clock
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -104,18 +95,10 @@ class EngineCore:
     # -- requests ------------------------------------------------------------
 
     def add_request(
-        self,
-        prompt: Prompt,
-        params: SamplingParams | None = None,
-        *,
-        request_id: str | None = None,
-        priority: int = 0,
-        client_id: str = "default",
-        deadline_s: float | None = None,
-        attrs: Mapping[str, Any] | None = None,
-        arrival_time: float | None = None,
-        cache_salt: str | None = None,
-    ) -> str:
+        self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str | None = None,
+        priority: int = 0, client_id: str = "default", deadline_s: float | None = None,
+        attrs: Mapping[str, Any] | None = None, arrival_time: float | None = None, cache_salt: str | None = None,
+    ) -> str:  # fmt: skip
         """Queue one request and return its id; raises :class:`RequestError` on bad input.
 
         ``priority``, ``client_id``, ``deadline_s`` (seconds after arrival) and
@@ -251,13 +234,15 @@ class EngineCore:
         return seq
 
     def _outputs(self, new_token: dict[Sequence, int], ended: list[Sequence]) -> list[RequestOutput]:
+        finished = SequenceStatus.FINISHED
         for seq in (*new_token, *ended):
-            if seq.is_finished:
+            if seq.status is finished:  # its events are over: no reference cycle with its view keeps it for the gc
                 self._live.pop(seq.request_id, None)
+                seq.__dict__.pop("view", None)
         outputs = [
             RequestOutput.of(seq, [tok], self._text(seq))
             for seq, tok in new_token.items()
-            if self.deltas or seq.is_finished
+            if self.deltas or seq.status is finished
         ]
         return outputs + [RequestOutput.of(seq, [], self._text(seq)) for seq in ended]
 

@@ -21,7 +21,7 @@ def test_without_prefix_caching_a_finished_prompt_leaves_nothing_to_find() -> No
     first = Sequence("first", list(range(9)), SamplingParams())
     blocks.grow(first, 9)
     first.num_computed_tokens = 9
-    blocks.register_computed(first)
+    blocks.register_computed([first])
     blocks.free(first)
     assert blocks.num_cached_blocks == 0 and blocks.num_free_blocks == 8
     again = Sequence("again", list(range(9)), SamplingParams())
@@ -61,7 +61,7 @@ def test_with_prefix_caching_a_finished_prompts_full_blocks_are_found_from_the_f
     first = Sequence("first", list(range(9)), SamplingParams())
     blocks.grow(first, 9)
     first.num_computed_tokens = 9
-    blocks.register_computed(first)
+    blocks.register_computed([first])
     blocks.free(first)
     assert blocks.lookup(Sequence("again", list(range(9)), SamplingParams())) == 8
 
@@ -94,7 +94,7 @@ def test_an_admissions_lookup_is_counted_only_with_prefix_caching() -> None:
         blocks.record_lookup(first, blocks.acquire_cached(first))
         blocks.grow(first, 9)
         first.num_computed_tokens = 9
-        blocks.register_computed(first)
+        blocks.register_computed([first])
         again = Sequence("again", list(range(9)), SamplingParams())
         blocks.record_lookup(again, blocks.acquire_cached(again))
         counted = (blocks.prefix_cache_queries_tokens, blocks.prefix_cache_hits_tokens, again.prefix_cache_hits)

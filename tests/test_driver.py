@@ -10,6 +10,7 @@ from cbcore.bench.workload import BenchRequest, Workload
 from cbcore.config import EngineConfig
 from cbcore.engine import Engine
 from cbcore.models.loading import eos_token_ids
+from cbcore.scheduling.sampling_params import SamplingParams
 from cbcore.sim.executor import sim_engine, sim_num_blocks
 from cbcore.sim.model_shape import ModelShape
 from cbcore.sim.profile import Identity, Profile, load_profile
@@ -108,3 +109,23 @@ def test_eos_ids_come_from_the_generation_config_else_the_model_config() -> None
     model.generation_config.eos_token_id = None
     assert eos_token_ids(model) == (model.config.eos_token_id,)
     assert Engine(model).eos_token_ids == frozenset(eos_token_ids(model))
+
+
+def test_an_ended_request_is_freed_by_reference_counting_alone() -> None:
+    """A long simulation ends thousands of requests: each must go when it ends, not wait for a full
+    collection of the garbage collector (which walks every live object, a pause that grows with the run)."""
+    import gc
+    import weakref
+
+    engine = sim_engine(EngineConfig(), load_profile("h200-llama-3-8b"), VirtualClock())
+    engine.add_request(list(range(3, 40)), SamplingParams(max_new_tokens=3, ignore_eos=True), request_id="a")
+    seq = weakref.ref(engine.requests["a"])
+    gc.disable()
+    try:
+        while engine.has_unfinished():
+            engine.step()
+        engine.add_request([5, 6, 7], request_id="b")
+        engine.step()  # the scheduler keeps only the step it planned last
+        assert seq() is None  # the sequence and its view (which reads it) are gone
+    finally:
+        gc.enable()

@@ -26,7 +26,7 @@ SCRIPT = """
 import ctypes, resource, sys
 from cbcore import Engine
 from cbcore.cli.main import opt_in_process_settings
-from cbcore.kernels.native import HEAP_BLOCK_BYTES
+from cbcore.kernels.heap import HEAP_BLOCK_BYTES
 from cbcore.testing.tiny_models import tiny_model
 
 class Mallinfo2(ctypes.Structure):

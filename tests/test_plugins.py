@@ -354,6 +354,45 @@ def test_a_broken_entry_point_is_named_and_skipped_in_a_fresh_process(tmp_path: 
     assert (result["fcfs"], result["vtc"]) == ("built-in", "entry point cbcore-vtc")
 
 
+LAZY_BACKENDS = """
+import json, sys
+from cbcore.cli.main import main
+from cbcore.plugins import get_registry
+code = main(["simulate", "--profile", "a100-llama-2-7b-tp1", "--workload", "poisson:n=8,rate=4,seed=1",
+             "--policy", "priority+chunked", "--no-progress"])
+registry = get_registry()
+before = {"code": code, "torch": "torch" in sys.modules, "broken": list(registry.broken)}
+sdpa = registry.get("backend", "sdpa").origin
+print(json.dumps({**before, "after": registry.broken, "sdpa": sdpa, "torch_after": "torch" in sys.modules}))
+"""
+
+
+def test_backends_load_when_first_looked_up_and_a_failing_backend_hook_is_named(tmp_path: Path) -> None:
+    """Backends import torch: `cb simulate` runs no model, so it never loads them (1.5 s and 200 MB less).
+    A package whose backend hook fails is skipped then, named like an entry point that fails to import."""
+    site = tmp_path / "site"
+    info = site / "cbcore_badbackend-0.1.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: cbcore-badbackend\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[cbcore]\nbadbackend = cbcore_badbackend\n")
+    (site / "cbcore_badbackend.py").write_text(
+        "from cbcore.plugins import hookimpl\n\n@hookimpl\ndef cbcore_register_backends():\n"
+        "    raise RuntimeError('no such device')\n"
+    )
+    script = tmp_path / "fresh.py"
+    script.write_text(LAZY_BACKENDS)
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    proc = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (result["code"], result["torch"], result["broken"]) == (0, False, [])
+    [(name, why)] = result["after"]
+    assert name.startswith("cbcore_badbackend (entry point cbcore-badbackend)") and "no such device" in why
+    assert (result["sdpa"], result["torch_after"]) == ("built-in", True)
+
+
 # -- cb plugins --------------------------------------------------------------------------
 
 

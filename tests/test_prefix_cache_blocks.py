@@ -47,7 +47,7 @@ class PrefixMachine(RuleBasedStateMachine):
             assert self.blocks.ref_count(block) == 1, "a shared block is being written"
             self.device.setdefault(block, {})[p % BLOCK_SIZE] = tuple(seq.token_ids[: p + 1])
         seq.num_computed_tokens += n
-        self.blocks.register_computed(seq)
+        self.blocks.register_computed([seq])
         return True
 
     def _admit(self, tokens: list[int], salt: str | None, n: int) -> None:
@@ -141,7 +141,7 @@ class PrefixMachine(RuleBasedStateMachine):
             self.device[device] = dict(self.host.pop(host))
         self.swapped.remove(seq)
         self.live.append(seq)
-        self.blocks.register_computed(seq)
+        self.blocks.register_computed([seq])
 
     @rule()
     def evict_all_cached(self):
@@ -202,7 +202,7 @@ def _computed(blocks: BlockManager, seq: Sequence) -> Sequence:
     blocks.acquire_cached(seq)
     blocks.grow(seq, seq.num_pending_tokens)
     seq.num_computed_tokens = seq.num_tokens
-    blocks.register_computed(seq)
+    blocks.register_computed([seq])
     return seq
 
 

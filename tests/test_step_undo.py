@@ -261,7 +261,7 @@ def test_bookkeeping_failing_after_the_commit_takes_back_the_tokens_and_the_cach
 
     def registers_then_fails(out, results):
         monkeypatch.setattr(sched, "on_step_end", real)
-        blocks.register_computed(sched.get("a"))  # what the bookkeeping does first
+        blocks.register_computed([sched.get("a")])  # what the bookkeeping does first
         raise RuntimeError("bookkeeping failed")
 
     monkeypatch.setattr(sched, "on_step_end", registers_then_fails)

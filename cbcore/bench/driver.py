@@ -197,14 +197,12 @@ def drive(
         if not isinstance(out.output_token_ids, list):
             out = replace(out, output_token_ids=list(out.output_token_ids))
         done[i] = out
-        if simulated and len(done) % 512 == 0:  # an ended sequence and its view form a cycle: a long run would
-            gc.collect()  # keep thousands (tokens, block hashes) until a rare full collection (no pause on a wall clock)
         arrivals.finished(i, out, clocks[where]())
         placement.done(out.request_id, where)
         bar.update(1)
 
     with recorded_steps(*engines) as steps, contextlib.ExitStack() as after:
-        if simulated:  # what exists now (modules, the workload) lives on: the collections below skip it
+        if simulated:  # what exists now (modules, the workload) lives on: the collector need not walk it again
             gc.freeze()
             after.callback(gc.unfreeze)
         while len(done) < len(requests):

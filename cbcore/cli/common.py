@@ -26,13 +26,14 @@ def config_data(args: argparse.Namespace) -> dict[str, Any]:
     return data
 
 
-def engine_config(args: argparse.Namespace, extra: dict[str, Any] | None = None) -> Settings:
+def engine_config(args: argparse.Namespace, extra: dict[str, Any] | None = None, backend: bool = True) -> Settings:
     """Config file, then ``extra`` (a subcommand's own flags), then ``--set`` overrides: the whole file,
-    the ``serve:`` and ``router:`` sections included, whichever command reads them."""
+    the ``serve:`` and ``router:`` sections included, whichever command reads them. ``backend=False``
+    (a simulated engine) leaves the backend section unchecked: checking it would load torch."""
     data = config_data(args)
     for key, value in (extra or {}).items():
         data[key] = {**(data.get(key) or {}), **value} if isinstance(value, dict) else value
-    return Settings.from_dict(data, args.overrides)
+    return Settings.from_dict(data, args.overrides, backend)
 
 
 def load_engine(config: EngineConfig) -> Any:
@@ -104,7 +105,7 @@ def scheduler_from_mix(mix: str, plugins: tuple[str, ...] = ()) -> dict[str, Any
     (:func:`policy_params`), for this row alone; ``decode-first`` or
     ``prefill-first`` sets the row's ``scheduler.order``.
     """
-    from cbcore.plugins import PluginError, did_you_mean, get_registry
+    from cbcore.plugins import KINDS, PluginError, did_you_mean, get_registry
 
     registry = get_registry(plugins)
     section: dict[str, Any] = {}
@@ -118,9 +119,10 @@ def scheduler_from_mix(mix: str, plugins: tuple[str, ...] = ()) -> dict[str, Any
         name = POLICY_ALIASES.get(raw.strip(), raw.strip())
         if not name:
             raise PluginError(f"--policy {mix!r}: empty policy name")
-        kinds = [e.kind for e in registry.entries() if e.name == name and e.kind != "backend"]
+        policies = [e for kind in KINDS if kind != "backend" for e in registry.entries(kind)]  # backends load torch
+        kinds = [e.kind for e in policies if e.name == name]
         if not kinds:
-            known = sorted({e.name for e in registry.entries() if e.kind != "backend"} | set(POLICY_ALIASES))
+            known = sorted({e.name for e in policies} | set(POLICY_ALIASES))
             hint = did_you_mean(name, known)
             raise PluginError(f"--policy {mix!r}: unknown policy {name!r}{hint}; known: {', '.join(known)}")
         kind = kinds[0]

@@ -106,11 +106,11 @@ def opt_in_process_settings() -> Any:
     """What the ``cb`` application sets for its whole process, which a library must not do for its host.
 
     glibc's allocator keeps the memory a step frees for the next step (no page
-    faults per step: :func:`cbcore.kernels.native.hold_freed_memory`), and a
+    faults per step: :func:`cbcore.kernels.heap.hold_freed_memory`), and a
     Ctrl-C is told apart from a policy raising KeyboardInterrupt
     (:data:`cbcore.scheduling.door.SIGNALLED`).
     """
-    from cbcore.kernels.native import hold_freed_memory
+    from cbcore.kernels.heap import hold_freed_memory
     from cbcore.log import get_logger
     from cbcore.scheduling.door import SIGNALLED
 

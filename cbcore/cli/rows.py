@@ -104,7 +104,7 @@ def build_configs(args: argparse.Namespace) -> list[tuple[str, Any]]:
                 parts = [Path(path).stem if path else None, label, backend]
                 name = "/".join(p for p in parts if p) or "default"
                 try:
-                    rows.append((name, engine_config(ns, extra)))
+                    rows.append((name, engine_config(ns, extra, getattr(args, "runs_model", True))))
                 except (ValueError, ConfigError, PluginError) as exc:
                     raise CLIError(row_refusal(name, extra.get("scheduler"), exc)) from None
     if (len(args.configs) > 1 and args.policies) or (args.configs and len(args.policies) > 1):

@@ -85,7 +85,7 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
         help="use a measured profile even when its held-out fit error is above the threshold (25 %%)",
     )
     add_report_flags(parser)
-    parser.set_defaults(func=run, backends=[])
+    parser.set_defaults(func=run, backends=[], runs_model=False)  # no backend to check (nor torch to load)
 
 
 def run(args: argparse.Namespace) -> int:

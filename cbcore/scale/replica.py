@@ -47,7 +47,7 @@ class EngineReplica:
         from ray import serve
 
         from cbcore.engine import Engine
-        from cbcore.kernels.native import hold_freed_memory
+        from cbcore.kernels.heap import hold_freed_memory
         from cbcore.models.loading import load_model_and_tokenizer
         from cbcore.scale.listeners import bind_replica_grpc_to_node_ip
 

@@ -35,7 +35,6 @@ from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
-from itertools import takewhile
 from typing import Any
 
 from cbcore.scheduling.sequence import Sequence
@@ -187,9 +186,10 @@ class BlockManager:
         """A free block (else the least recently used cached one, its KV overwritten) appended to ``seq``."""
         if self._free:
             block = self._free.pop()
-        else:
+        else:  # unregistered in place: a full cache evicts at nearly every allocation
             block, _ = self._evictable.popitem(last=False)
-            self._unregister(block)
+            del self._by_hash[self._hash_of[block]]  # type: ignore[index]
+            self._hash_of[block] = None
         self._ref[block] = 1
         seq.block_table.append(block)
         return block
@@ -200,7 +200,7 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s references; blocks nobody else reads are freed (cached ones stay findable)."""
-        ref = self._ref
+        ref, hash_of, free, evictable = self._ref, self._hash_of, self._free, self._evictable
         # Last block first: a prefix's tail becomes least recently used before its head.
         for block in reversed(seq.block_table):
             count = ref[block] - 1
@@ -208,10 +208,10 @@ class BlockManager:
                 raise RuntimeError(f"block {block} of request {seq.request_id!r} is not referenced")
             ref[block] = count
             if count == 0:
-                if self._hash_of[block] is None:
-                    self._free.append(block)
+                if hash_of[block] is None:
+                    free.append(block)
                 else:
-                    self._evictable[block] = None
+                    evictable[block] = None
         seq.block_table = []
         self._registered.pop(seq, None)
 
@@ -233,8 +233,8 @@ class BlockManager:
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """The cached blocks of ``seq``'s leading full blocks, up to the first miss (never its last token)."""
         limit = (seq.num_tokens - 1) // self.block_size
-        found = map(self._by_hash.get, self._hashes(seq, limit)[:limit])
-        return list(takewhile(lambda block: block is not None, found))
+        found = list(map(self._by_hash.get, self._hashes(seq, limit)[:limit]))  # (C loops: a prompt is ~10^3 blocks)
+        return found[: found.index(None)] if None in found else found
 
     def lookup(self, seq: Sequence) -> int:
         """Tokens of ``seq`` the cache holds now, without taking them (also stored on the sequence).
@@ -260,12 +260,12 @@ class BlockManager:
             )
         if not self.prefix_caching:
             return 0
-        ref, table = self._ref, seq.block_table
-        for block in self._cached_prefix(seq):
-            if ref[block] == 0:
-                del self._evictable[block]
+        ref, table, evictable = self._ref, seq.block_table, self._evictable
+        table += self._cached_prefix(seq)
+        for block in table:
+            if not ref[block]:
+                del evictable[block]
             ref[block] += 1
-            table.append(block)
         self._registered[seq] = len(table)
         seq.num_computed_tokens = seq.num_cached_prompt_tokens = len(table) * self.block_size
         return seq.num_computed_tokens
@@ -278,21 +278,22 @@ class BlockManager:
             seq.prefix_cache_queries += seq.num_tokens
             seq.prefix_cache_hits += hit_tokens
 
-    def register_computed(self, seq: Sequence) -> None:
-        """Register ``seq``'s blocks that are full and computed (call once their KV is written).
+    def register_computed(self, seqs: Iterable[Sequence]) -> None:
+        """Register the blocks of ``seqs`` that are full and computed (call once their KV is written).
 
         A block whose prefix another block already holds stays unregistered:
         it is freed normally and the first copy remains the one that is found.
+        One call per step for all of them: most steps fill no block.
         """
-        full = seq.num_computed_tokens // self.block_size
-        done = self._registered.get(seq, 0)
-        if not self.prefix_caching or full <= done:
-            return
-        for block, h in zip(seq.block_table[done:full], self._hashes(seq, full)[done:full], strict=True):
-            if self._hash_of[block] is None and h not in self._by_hash:
-                self._by_hash[h] = block
-                self._hash_of[block] = h
-        self._registered[seq] = full
+        size, registered = self.block_size, self._registered
+        for seq in seqs if self.prefix_caching else ():
+            if (full := seq.num_computed_tokens // size) <= (done := registered.get(seq, 0)):
+                continue
+            for block, h in zip(seq.block_table[done:full], self._hashes(seq, full)[done:full], strict=True):
+                if self._hash_of[block] is None and h not in self._by_hash:
+                    self._by_hash[h] = block
+                    self._hash_of[block] = h
+            registered[seq] = full
 
     # -- host (swap) blocks --------------------------------------------------
 

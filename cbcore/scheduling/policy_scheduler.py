@@ -146,12 +146,10 @@ class PolicyScheduler:
 
     def on_step_end(self, out: SchedulerOutput, results: Seq[StepResult]) -> list[PolicyError]:
         """The committed step's bookkeeping, then its events; returns the events' failures (each names its request)."""
-        blocks = self.blocks
-        if blocks.prefix_caching:  # KV written this step becomes findable (finished ones' too)
-            for item in out.scheduled:
-                blocks.register_computed(item.seq)
+        blocks, seqs, finished = self.blocks, [item.seq for item in out.scheduled], SequenceStatus.FINISHED
+        blocks.register_computed(seqs)  # KV written this step becomes findable (finished ones' too)
         now = self.clock()
-        ended = [s.seq for s in out.scheduled if s.seq.status is SequenceStatus.FINISHED] + out.failed
+        ended = [s for s in seqs if s.status is finished] + out.failed
         if ended:
             gone = set(ended)
             self.running = [s for s in self.running if s not in gone]
@@ -171,8 +169,8 @@ class PolicyScheduler:
         now = self._now = self.clock()
         self._ordered = None
         self._state = state = SchedulerState(
-            now, self.step_index, LazyViews(self._waiting_order), tuple(s.view for s in self.running),
-            tuple(s.view for s in self.swapped), self.blocks.view,
+            now, self.step_index, LazyViews(self._waiting_order), tuple([s.view for s in self.running]),
+            tuple([s.view for s in self.swapped]), self.blocks.view,
         )  # fmt: skip
         limits = self.door.limits(state)
         self._tokens_left, self._seqs_left = limits.max_num_tokens, limits.max_num_seqs
@@ -203,9 +201,10 @@ class PolicyScheduler:
     def _run(self) -> None:
         """Phase 1: the running sequences (rule 1)."""
         door, blocks, now = self.door, self.blocks, self._now
-        order = [s for s in door.order(self.running, now) if s not in self._tokens]
-        decodes = [s for s in order if len(s.token_ids) - s.num_computed_tokens == 1]
-        prefills = [s for s in order if len(s.token_ids) - s.num_computed_tokens > 1]
+        decodes, prefills, tokens = [], [], self._tokens
+        for s in door.order(self.running, now):
+            if (pending := len(s.token_ids) - s.num_computed_tokens) >= 1 and s not in tokens:
+                (decodes if pending == 1 else prefills).append(s)
         for members, decoding in ((decodes, True), (prefills, False))[:: 1 if self.decode_first else -1]:
             group = [s for s in members if s.status is RUNNING]  # a victim of the group before stays out
             if decoding and self._all_decodes(group):

@@ -55,6 +55,7 @@ class Sequence:
     cache_salt: str | None = None
 
     token_ids: list[int] = field(init=False)
+    num_prompt_tokens: int = field(init=False)  # a plain int: read for every token (a Prefix's len is a call)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
@@ -87,6 +88,7 @@ class Sequence:
         ids = self.prompt_token_ids  # an array('i') becomes the token array, the prompt a view of its start
         self.prompt_token_ids = Prefix(ids, len(ids)) if isinstance(ids, array) else tuple(ids)
         self.token_ids = ids if isinstance(ids, array) else list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(ids)
         if self.params.seed is not None:
             import torch
 
@@ -96,10 +98,9 @@ class Sequence:
     # The clock time (``arrival_time + deadline_s``) by which it should be done, or None.
     deadline = property(lambda self: None if self.deadline_s is None else self.arrival_time + self.deadline_s)
 
-    num_prompt_tokens = property(lambda self: len(self.prompt_token_ids))
     num_tokens = property(lambda self: len(self.token_ids))
-    num_output_tokens = property(lambda self: len(self.token_ids) - len(self.prompt_token_ids))
-    output_token_ids = property(lambda self: self.token_ids[len(self.prompt_token_ids) :])
+    num_output_tokens = property(lambda self: len(self.token_ids) - self.num_prompt_tokens)
+    output_token_ids = property(lambda self: self.token_ids[self.num_prompt_tokens :])
     # Tokens whose KV is not yet computed (a whole prompt, a chunk's rest, or 1 when decoding).
     num_pending_tokens = property(lambda self: len(self.token_ids) - self.num_computed_tokens)
     is_prefilling = property(lambda self: len(self.token_ids) - self.num_computed_tokens > 1)
@@ -166,7 +167,7 @@ class SeqView:
         for name in self._COPIED:  # fixed for the request's life
             put(self, name, getattr(seq, name))
         put(self, "prompt_token_ids", seq.prompt_token_ids)  # a tuple (or read-only Prefix) already: shared
-        put(self, "num_prompt_tokens", len(seq.prompt_token_ids))
+        put(self, "num_prompt_tokens", seq.num_prompt_tokens)
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"a policy cannot set {name!r}: sequences are read-only for policies; {_GONE['policy_state']}")

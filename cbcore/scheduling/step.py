@@ -90,8 +90,8 @@ class Steps:
         params = seq.params
         if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
             seq.finish(FinishReason.STOP, now)
-        elif seq.num_output_tokens >= params.max_new_tokens or (
-            self.max_model_len is not None and len(seq.token_ids) >= self.max_model_len
+        elif (n := len(seq.token_ids)) - seq.num_prompt_tokens >= params.max_new_tokens or (
+            self.max_model_len is not None and n >= self.max_model_len
         ):
             seq.finish(FinishReason.LENGTH, now)
 
@@ -141,23 +141,24 @@ class StepTransaction:
         new_token: dict[Sequence, int] = {}
         failed: list[Sequence] = []
         errors = sampled.errors or [None] * len(sampled.rows)
+        scheduled, appended, finish_rule = out.scheduled, self.appended, self.steps.finish_rule  # (per row)
         for row, token, logprobs, error in zip(sampled.rows, sampled.tokens, sampled.logprobs, errors, strict=True):
-            seq = out.scheduled[row].seq
+            seq = scheduled[row].seq
             seq.num_computed_tokens = len(seq.token_ids)
             if error is not None:
                 seq.finish(FinishReason.ERROR, now, error)
                 failed.append(seq)
                 continue
-            self.appended.append((seq, seq.first_token_time is not None))
+            appended.append((seq, seq.first_token_time is not None))
             seq.append_token(token, now)
             if logprobs is not None:
                 seq.logprobs.append(logprobs)
-            self.steps.finish_rule(seq, token, now)
+            finish_rule(seq, token, now)
             new_token[seq] = token
-        results = []
+        results, running = [], SequenceStatus.RUNNING
         for item in out.scheduled:
             seq = item.seq
-            if seq not in new_token and not seq.is_finished:  # a non-final prefill chunk
+            if seq not in new_token and seq.status is running:  # a non-final prefill chunk
                 seq.num_computed_tokens += item.num_tokens
             results.append(StepResult(seq.view, item.num_tokens, new_token.get(seq)))
         results += [StepResult(seq.view, 0, None, True) for seq in out.preempted]
@@ -237,13 +238,13 @@ def check_plan(out: SchedulerOutput, blocks: Any, culprit: str) -> tuple[StepPla
         for item in scheduled:
             seq, n = item.seq, item.num_tokens
             start, tokens, table = seq.num_computed_tokens, seq.token_ids, seq.block_table
-            end = start + n
+            end, size = start + n, len(tokens)
             ids = tokens[start:end]
-            # The slice is n long only if n tokens are pending; n > 0; a slot for each; running.
-            if not (len(ids) == n > 0 <= start and end <= len(table) * block_size and seq.status is running):
+            # n tokens pending (the slice is n long); n > 0; a slot for each; running.
+            if not (n > 0 and start >= 0 and end <= size and end <= len(table) * block_size and seq.status is running):
                 _diagnose(item, block_size, culprit)
-            if end == len(tokens):  # the row reaches the last token: it samples
-                decode = n == 1 and start >= len(seq.prompt_token_ids)  # a generated token fed back
+            if end == size:  # the row reaches the last token: it samples
+                decode = n == 1 and start >= seq.num_prompt_tokens  # a generated token fed back
                 decodes += decode
                 sampled += 1
                 append(RowPlan(ids, start, table, seq.params, seq.generator, decode))

@@ -29,7 +29,7 @@ def cached_manager() -> BlockManager:
     owner = Sequence("owner", PROMPT, SamplingParams())
     blocks.grow(owner, PROMPT_LEN)
     owner.num_computed_tokens = PROMPT_LEN
-    blocks.register_computed(owner)
+    blocks.register_computed([owner])
     blocks.free(owner)  # every block evictable, still findable
     return blocks
 
