@@ -44,6 +44,7 @@ log = get_logger(__name__)
 MAX_IDLE_STEPS = 8
 WINDOW_CAPACITIES = 4
 _seq_of = attrgetter("seq")
+_tuple = tuple.__new__  # builds a row's named tuple (all fields, in order) without its Python-level __new__
 
 
 @dataclass
@@ -160,7 +161,7 @@ class StepTransaction:
             seq = item.seq
             if seq not in new_token and seq.status is running:  # a non-final prefill chunk
                 seq.num_computed_tokens += item.num_tokens
-            results.append(StepResult(seq.view, item.num_tokens, new_token.get(seq)))
+            results.append(_tuple(StepResult, (seq.view, item.num_tokens, new_token.get(seq), False)))
         results += [StepResult(seq.view, 0, None, True) for seq in out.preempted]
         return new_token, failed, results
 
@@ -247,9 +248,9 @@ def check_plan(out: SchedulerOutput, blocks: Any, culprit: str) -> tuple[StepPla
                 decode = n == 1 and start >= seq.num_prompt_tokens  # a generated token fed back
                 decodes += decode
                 sampled += 1
-                append(RowPlan(ids, start, table, seq.params, seq.generator, decode))
+                append(_tuple(RowPlan, (ids, start, table, seq.params, seq.generator, decode)))
             else:
-                append(RowPlan(ids, start, table))
+                append(_tuple(RowPlan, (ids, start, table, None, None, False)))
             total += n
     except (AttributeError, TypeError) as exc:
         _fail(culprit, "each scheduled entry is a ScheduledSeq of a Sequence and an int", str(exc))
