@@ -323,6 +323,24 @@ def test_contrib_plugins_are_found_through_entry_points_by_a_fresh_process(tmp_p
     assert result["weights"] == {"alice": 2.0}
 
 
+def run_with_distribution(tmp_path: Path, dist: str, entry: str, module: str, source: str, script: str) -> dict:
+    """Run ``script`` in a fresh process beside an installed distribution ``dist`` whose ``cbcore`` entry
+    point ``entry`` names ``module`` (with ``source``); the JSON of its last printed line."""
+    site = tmp_path / "site"
+    info = site / f"{dist.replace('-', '_')}-0.1.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[cbcore]\n{entry}\n")
+    (site / f"{module}.py").write_text(source)
+    (tmp_path / "fresh.py").write_text(script)
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    proc = subprocess.run(
+        [sys.executable, str(tmp_path / "fresh.py")], cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 BROKEN_ENTRY_POINT = """
 import json
 from cbcore.plugins import get_registry
@@ -334,20 +352,10 @@ print(json.dumps({"broken": registry.broken, "fcfs": registry.get("queue", "fcfs
 
 def test_a_broken_entry_point_is_named_and_skipped_in_a_fresh_process(tmp_path: Path) -> None:
     """A third-party package whose plugin module fails to import must not take the registry down."""
-    site = tmp_path / "site"
-    info = site / "cbcore_broken-0.1.dist-info"
-    info.mkdir(parents=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: cbcore-broken\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text("[cbcore]\nbroken = cbcore_broken_plugin\n")
-    (site / "cbcore_broken_plugin.py").write_text("raise ImportError('needs a package that is not installed')\n")
-    script = tmp_path / "fresh.py"
-    script.write_text(BROKEN_ENTRY_POINT)
-    env = {**os.environ, "PYTHONPATH": str(site)}
-    proc = subprocess.run(
-        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_with_distribution(
+        tmp_path, "cbcore-broken", "broken = cbcore_broken_plugin", "cbcore_broken_plugin",
+        "raise ImportError('needs a package that is not installed')\n", BROKEN_ENTRY_POINT,
+    )  # fmt: skip
     [(name, why)] = result["broken"]
     assert name.startswith("broken (cbcore_broken_plugin, entry point cbcore-broken)")
     assert "needs a package that is not installed" in why
@@ -370,23 +378,10 @@ print(json.dumps({**before, "after": registry.broken, "sdpa": sdpa, "torch_after
 def test_backends_load_when_first_looked_up_and_a_failing_backend_hook_is_named(tmp_path: Path) -> None:
     """Backends import torch: `cb simulate` runs no model, so it never loads them (1.5 s and 200 MB less).
     A package whose backend hook fails is skipped then, named like an entry point that fails to import."""
-    site = tmp_path / "site"
-    info = site / "cbcore_badbackend-0.1.dist-info"
-    info.mkdir(parents=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: cbcore-badbackend\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text("[cbcore]\nbadbackend = cbcore_badbackend\n")
-    (site / "cbcore_badbackend.py").write_text(
-        "from cbcore.plugins import hookimpl\n\n@hookimpl\ndef cbcore_register_backends():\n"
-        "    raise RuntimeError('no such device')\n"
+    hook = "from cbcore.plugins import hookimpl\n\n@hookimpl\ndef cbcore_register_backends():\n    raise RuntimeError('no such device')\n"
+    result = run_with_distribution(
+        tmp_path, "cbcore-badbackend", "badbackend = cbcore_badbackend", "cbcore_badbackend", hook, LAZY_BACKENDS
     )
-    script = tmp_path / "fresh.py"
-    script.write_text(LAZY_BACKENDS)
-    env = {**os.environ, "PYTHONPATH": str(site)}
-    proc = subprocess.run(
-        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert (result["code"], result["torch"], result["broken"]) == (0, False, [])
     [(name, why)] = result["after"]
     assert name.startswith("cbcore_badbackend (entry point cbcore-badbackend)") and "no such device" in why
