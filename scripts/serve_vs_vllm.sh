@@ -14,6 +14,7 @@
 #
 # Usage: scripts/serve_vs_vllm.sh   (from anywhere), settings in the environment:
 #   SERVERS="vllm cbcore cbcore-vllm-limits transformers"   which servers, in this order; also
+#                                        cbcore-SEQSxTOKENS: cb serve with that budget (e.g. cbcore-64x256)
 #                                        vllm-fcfs / vllm-edf: the same vLLM with cbcore_vllm.Scheduler deciding
 #                                        (contrib/vllm; fcfs or contrib edf, vLLM's CPU limits in its budget)
 #   STREAMS="16 64"                      concurrent streams, one guidellm run each
@@ -124,6 +125,13 @@ start_server() {
       # shellcheck disable=SC2086  # CB_ARGS and the limits are lists of words
       setsid "$VENV/bin/cb" serve "${MODEL_FLAG[@]}" --host 127.0.0.1 --port "$2" $limits $CB_ARGS >"$log" 2>&1 &
       ;;
+    cbcore-[0-9]*x[0-9]*)  # a candidate default: cbcore-SEQSxTOKENS (most sequences x tokens a step)
+      local shape=${1#cbcore-}
+      # shellcheck disable=SC2086
+      setsid "$VENV/bin/cb" serve "${MODEL_FLAG[@]}" --host 127.0.0.1 --port "$2" \
+        --set "scheduler.budget.max_num_seqs=${shape%x*}" --set "scheduler.budget.max_num_batched_tokens=${shape#*x}" \
+        $CB_ARGS >"$log" 2>&1 &
+      ;;
     transformers)
       # shellcheck disable=SC2086
       setsid "$VENV/bin/transformers" serve "$MODEL" --continuous-batching --device cpu \
@@ -133,7 +141,7 @@ start_server() {
       setsid "$GLV/bin/guidellm" mock-server --host 127.0.0.1 --port "$2" --model mock \
         --ttft-ms 40 --itl-ms 10 --output-tokens 200 >"$log" 2>&1 &
       ;;
-    *) echo "unknown server '$1' (SERVERS: vllm vllm-fcfs vllm-edf cbcore cbcore-vllm-limits transformers)" >&2; return 1 ;;
+    *) echo "unknown server '$1' (SERVERS: vllm vllm-fcfs vllm-edf cbcore cbcore-vllm-limits cbcore-SEQSxTOKENS transformers)" >&2; return 1 ;;
   esac
   SERVER_PID=$!
 }
