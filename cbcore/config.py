@@ -118,7 +118,8 @@ class ExecutionConfig(Strict):
     ``auto``: fused where the model is of its family, else hf. ``linear``: how the fused forward's
     linear layers multiply: ``onednn`` (weights packed once for oneDNN; CPU float32, bfloat16 where
     the CPU has bf16; as much memory again as the linear weights; a float32 product of more than 256
-    rows, a prefill, still goes to ``F.linear``), ``standard`` (``F.linear``), or
+    rows, a prefill, goes to ``F.linear`` or to oneDNN in pieces, whichever ran faster when timed once
+    on this machine, ``$CBCORE_PREFILL_PRODUCTS`` forcing one), ``standard`` (``F.linear``), or
     ``auto``: onednn where it can run, else standard. HF's modules multiply with ``F.linear``.
     """
 

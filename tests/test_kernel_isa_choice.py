@@ -74,9 +74,9 @@ def test_the_choice_is_kept_and_the_next_process_only_reads_it(fake, monkeypatch
     monkeypatch.setitem(COSTS, "avx2", 0.5)
     with caplog.at_level(logging.INFO, logger="cbcore.kernels.native"):
         assert fake().load()[1] == "fake avx2"
-    assert "kernel instruction set chosen by timing" in caplog.text and "isa=avx2" in caplog.text
+    assert "kernel instruction set chosen by timing" in caplog.text and "chosen=avx2" in caplog.text
     (entry,) = json.loads((fake.cache / "kernels" / native.CHOICES_FILE).read_text()).values()
-    assert entry["isa"] == "avx2" and set(entry["least_us"]) == {"avx512", "avx2", "plain"}
+    assert entry["chosen"] == "avx2" and set(entry["least_us"]) == {"avx512", "avx2", "plain"}
 
     fake.built.clear()
     again = fake(trial=False)
@@ -110,8 +110,8 @@ def test_this_machine_times_its_instruction_sets_once_for_the_paged_decode_kerne
             fn, origin = paged_decode.KERNEL.load()
         assert fn is not None, origin
         (entry,) = json.loads((tmp_path / "kernels" / native.CHOICES_FILE).read_text()).values()
-        assert set(entry["least_us"]) == set(isas) and entry["isa"] in isas
-        assert f"paged_decode-{entry['isa']}-" in origin  # the chosen build is the one loaded
-        assert f"isa={entry['isa']}" in caplog.text
+        assert set(entry["least_us"]) == set(isas) and entry["chosen"] in isas
+        assert f"paged_decode-{entry['chosen']}-" in origin  # the chosen build is the one loaded
+        assert f"chosen={entry['chosen']}" in caplog.text
     finally:
         paged_decode.KERNEL.forget()

@@ -15,7 +15,7 @@ kernel that brings a trial (a representative call) is built for every
 instruction set the CPU runs and timed once per machine, alternated, each
 by its least time (other work only adds time); the widest is kept unless a
 narrower one is :data:`MARGIN` faster. The choice is logged and kept in the
-cache directory (``kernels/isa-choices.json``), keyed
+cache directory (``kernels/choices.json``), keyed
 by the kernel's build identity (source, flags, compiler, CPU model), the
 CPU's feature flags and torch's version, so a later process reads it instead
 of timing again. A kernel without a trial is built for the widest.
@@ -40,7 +40,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -62,12 +62,13 @@ ISAS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
 }
 
 
-#: How much faster (a share of the widest's median time) a narrower instruction set must run a kernel's trial
-#: to be chosen: timings on a shared machine drift by a few percent.
+#: How much faster (a share of the default's least time) another candidate of a :func:`timed_choice` (a
+#: narrower instruction set, another library's product) must run its trial to be chosen: timings on a shared
+#: machine drift by a few percent.
 MARGIN = 0.03
-#: Alternated rounds of each instruction set's trial, and calls of the trial per round.
+#: Alternated rounds of each candidate's trial, and calls of the trial per round.
 TRIAL_ROUNDS, TRIAL_CALLS = 9, 5
-CHOICES_FILE = "isa-choices.json"
+CHOICES_FILE = "choices.json"
 
 
 class KernelUnavailable(RuntimeError):
@@ -152,6 +153,60 @@ def _build(source: Path, compiler: str, target: Path, isa: str) -> None:
         Path(tmp).unlink(missing_ok=True)
 
 
+def machine_key() -> str:
+    """What a timing measured here is valid for: the CPU model, its feature flags and torch's version."""
+    flags = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:12]
+    return f"{hardware_name()}:{flags}:torch-{torch.__version__}"
+
+
+def kept_choice(key: str, candidates: Iterable[str]) -> str | None:
+    """The choice :func:`timed_choice` kept under ``key`` in the cache directory, if it is a candidate."""
+    try:
+        known = json.loads((cache_root() / "kernels" / CHOICES_FILE).read_text()).get(key)
+    except (OSError, ValueError, AttributeError):
+        return None
+    return known["chosen"] if isinstance(known, dict) and known.get("chosen") in candidates else None
+
+
+def timed_choice(key: str, runs: dict[str, Callable[[], object]], default: str, what: str, **context: object) -> str:
+    """Which of ``runs`` (name: a representative call) to use on this machine: ``default`` unless another
+    ran :data:`MARGIN` faster. Timed once, alternated (a warm-up turn, then :data:`TRIAL_ROUNDS` turns of
+    :data:`TRIAL_CALLS` calls, each turn led by another), each by its least time (other work on the
+    machine only ever adds to a call), logged and kept in the cache directory under ``key``, so that a
+    later process reads it (:func:`kept_choice`) instead of timing again."""
+    if (known := kept_choice(key, runs)) is not None:
+        return known
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    order = list(runs)
+    for turn in range(-1, TRIAL_ROUNDS):
+        for name in order[turn % len(order) :] + order[: turn % len(order)]:
+            for _ in range(TRIAL_CALLS):
+                t0 = time.perf_counter()
+                runs[name]()
+                times[name].append(time.perf_counter() - t0)
+            del times[name][: TRIAL_CALLS if turn < 0 else 0]
+    least = {name: min(t) for name, t in times.items()}
+    best = min(least, key=least.__getitem__)
+    chosen = best if least[best] < (1 - MARGIN) * least[default] else default
+    path = cache_root() / "kernels" / CHOICES_FILE
+    try:
+        choices = json.loads(path.read_text())
+    except (OSError, ValueError):
+        choices = {}
+    choices[key] = {"chosen": chosen, "least_us": {name: round(t * 1e6, 1) for name, t in least.items()}}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".choices.", suffix=".json")
+        with os.fdopen(fd, "w") as out:
+            json.dump(choices, out, indent=1)
+        os.replace(tmp, path)
+    except OSError as exc:  # an unwritable cache: the choice holds for this process
+        log.warning(f"{what} choice not kept", path=str(path), error=str(exc))
+    log.info(f"{what} chosen by timing", chosen=chosen, cpu=hardware_name(), **context,
+             **{f"{name}_us": round(t * 1e6, 1) for name, t in least.items()})  # fmt: skip
+    return chosen
+
+
 class NativeKernel:
     """One C function of one kernel file, built or loaded once per process on first use (a build is a
     subprocess, a load a dlopen)."""
@@ -201,51 +256,30 @@ class NativeKernel:
 
     def _chosen_isa(self, compiler: str) -> str:
         """The widest instruction set, unless this kernel's trial, timed once on this machine, ran a
-        narrower one :data:`MARGIN` faster; kept in the cache so that later processes only read it."""
+        narrower one :data:`MARGIN` faster (:func:`timed_choice`)."""
         isas = supported_isas()
         if self.trial is None or len(isas) == 1:
             return isas[0]
-        flags = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:12]
-        key = f"{_library_path(self.source, compiler, isas[0]).stem}:{self.symbol}:{flags}:torch-{torch.__version__}"
-        path = cache_root() / "kernels" / CHOICES_FILE
-        try:
-            choices = json.loads(path.read_text())
-        except (OSError, ValueError):
-            choices = {}
-        if isinstance(known := choices.get(key), dict) and known.get("isa") in isas:
-            return known["isa"]
+        key = f"{_library_path(self.source, compiler, isas[0]).stem}:{self.symbol}:{machine_key()}"
+        if (known := kept_choice(key, isas)) is not None:
+            return known
         built = {isa: fn for isa in isas if (fn := self._library(compiler, isa)[0]) is not None}
         if len(built) < 2 or isas[0] not in built:
             return isas[0]  # nothing to compare: the widest, or its build error
-        times: dict[str, list[float]] = {isa: [] for isa in built}
-        run, order = self.trial(), list(built)
+        run = self.trial()
+
+        def with_build(fn: ctypes._CFuncPtr) -> Callable[[], object]:
+            def call() -> object:
+                self.__dict__["fn"] = fn  # what the trial calls through self.fn
+                return run()
+
+            return call
+
         try:
-            for turn in range(-1, TRIAL_ROUNDS):  # a warm-up turn, then alternated turns, each led by another
-                for isa in order[turn % len(order):] + order[: turn % len(order)]:
-                    self.__dict__["fn"] = built[isa]
-                    for _ in range(TRIAL_CALLS):
-                        t0 = time.perf_counter()
-                        run()
-                        times[isa].append(time.perf_counter() - t0)
-                    del times[isa][: TRIAL_CALLS if turn < 0 else 0]
+            return timed_choice(key, {isa: with_build(fn) for isa, fn in built.items()}, isas[0],
+                                "kernel instruction set", symbol=self.symbol)  # fmt: skip
         finally:
             self.__dict__.pop("fn", None)
-        # The least time of each: other work on the machine only ever adds to a call, never takes away.
-        least = {isa: min(t) for isa, t in times.items()}
-        best = min(least, key=least.__getitem__)
-        chosen = best if least[best] < (1 - MARGIN) * least[isas[0]] else isas[0]
-        choices[key] = {"isa": chosen, "least_us": {isa: round(t * 1e6, 1) for isa, t in least.items()}}
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".isa-choices.", suffix=".json")
-            with os.fdopen(fd, "w") as out:
-                json.dump(choices, out, indent=1)
-            os.replace(tmp, path)
-        except OSError as exc:  # an unwritable cache: the choice holds for this process
-            log.warning("kernel instruction-set choice not kept", path=str(path), error=str(exc))
-        log.info("kernel instruction set chosen by timing", symbol=self.symbol, isa=chosen, cpu=hardware_name(),
-                 **{f"{isa}_us": round(t * 1e6, 1) for isa, t in least.items()})  # fmt: skip
-        return chosen
 
     @functools.cached_property
     def fn(self) -> ctypes._CFuncPtr:

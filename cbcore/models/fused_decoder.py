@@ -118,6 +118,7 @@ class FusedDecoder:
             why_small_pages=None if arena is None else arena.why_small,
             why_torch=why_torch if native else None,
             decode_products="small_gemm" if self.head.small else ("onednn" if onednn else "standard"),
+            prefill_products="onednn" if onednn and not self.head.standard_prefill else "standard",
             why_onednn=small_gemm_refusal(self.head.weight) if onednn and not self.head.small else None,
         )
 

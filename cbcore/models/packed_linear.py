@@ -13,8 +13,12 @@ weight that fits no cache, so its time is memory bandwidth, and there
 ``small_gemm.c`` (cbcore's own, four weight rows at a time, built like every
 cbcore kernel) multiplies from the model's own weights: 18 ms against
 oneDNN's 27 for the default model's products at one row, about 5 % less at
-16 rows (2-core AVX2 host). Where it cannot be built, oneDNN multiplies (the
-``fused forward kernels`` log line says which, and why).
+16 rows (2-core AVX2 host). Not on every CPU: on a 2-core AMD EPYC (Zen 4)
+oneDNN took 0.99x its time at one row, 0.88x at 8 and 0.81x at 16 (all the
+default model's products). So which of the two multiplies is timed once per
+machine (:func:`decode_products`); ``$CBCORE_DECODE_PRODUCTS`` forces one.
+Where it cannot be built, oneDNN multiplies (the ``fused forward kernels``
+log line says which, and why).
 
 The products are the same dot products summed in another order (last-bit
 differences, covered by the equivalence tests like any change of batch shape).
@@ -30,9 +34,17 @@ has enough rows that MKL's own weight layout costs little beside the
 arithmetic, and ``F.linear`` multiplies any row count as one product with no
 primitive kept: a 15 x 128 prefill of the default model (1,921 rows) took
 0.89-0.95x the time it took as oneDNN pieces of 1,024 + 512 + 256 + 136 rows
-(three interleaved pairs of processes, 2-core Xeon with AVX-512). bfloat16
-goes on in pieces of :data:`PACKED_ROWS`: torch hands its ``F.linear`` to
-oneDNN, which would keep a primitive per row count.
+(three interleaved pairs of processes, 2-core Xeon with AVX-512). Not on
+every CPU: on a 2-core AMD EPYC (Zen 4, AVX-512) MKL's sgemm took 2.3x
+oneDNN's time at every row count from 128 to 2,048 (MKL takes another code
+path on a CPU that is not Intel's). So which multiplies such a product is
+timed once per machine (:func:`prefill_products`, kept and logged like the C
+kernels' instruction set): ``F.linear``, or oneDNN in pieces of
+:data:`PACKED_ROWS` rows, whose primitives exist already (1.0-1.1x one
+oneDNN product of all the rows, measured there). ``$CBCORE_PREFILL_PRODUCTS``
+forces one, so that each path runs and is tested on one machine. bfloat16
+always goes in pieces: torch hands its ``F.linear`` to oneDNN, which would
+keep a primitive per row count.
 Every one of those row counts is multiplied once when the engine is built
 (:func:`warm`), so the primitives are made before the first request, not in
 the middle of serving, and the process's memory is flat from then on.
@@ -41,6 +53,8 @@ the middle of serving, and the process's memory is flat from then on.
 from __future__ import annotations
 
 import ctypes
+import functools
+import os
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -67,6 +81,12 @@ SMALL_GEMM = NativeKernel(
 
 #: ``auto``: oneDNN where it can run (CPU, float32 weights; bfloat16 on CPUs with bf16 support), else standard.
 LinearKind = Literal["auto", "onednn", "standard"]
+#: How float32 products of more than PACKED_ROWS rows multiply: ``standard``, ``onednn`` or ``auto`` (timed).
+PREFILL_ENV = "CBCORE_PREFILL_PRODUCTS"
+PREFILL_KINDS = ("standard", "onednn")
+#: How float32 products of up to EXACT_ROWS rows multiply: ``small_gemm``, ``onednn`` or ``auto`` (timed).
+DECODE_ENV = "CBCORE_DECODE_PRODUCTS"
+DECODE_KINDS = ("small_gemm", "onednn")
 
 
 def _packable() -> tuple[torch.dtype, ...]:
@@ -97,13 +117,20 @@ def resolve_kind(kind: LinearKind, weight: torch.Tensor) -> tuple[Literal["onedn
 class Product:
     """``x @ weight.T + bias`` for ``x`` of ``[rows, in_features]``, by the kind chosen at build."""
 
-    __slots__ = ("bias", "packed", "small", "weight")
+    __slots__ = ("bias", "packed", "small", "standard_prefill", "weight")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, onednn: bool,
+        prefill: str | None = None, decode: str | None = None,
+    ) -> None:  # fmt: skip
+        """``prefill`` / ``decode``: how products past PACKED_ROWS / up to EXACT_ROWS rows multiply
+        (default: this machine's :func:`prefill_products` / :func:`decode_products`)."""
         self.weight, self.bias = weight, bias
         with torch.no_grad():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None) if onednn else None
-        self.small = onednn and small_gemm_refusal(weight) is None
+        fp32 = onednn and weight.dtype == torch.float32
+        self.small = fp32 and small_gemm_refusal(weight) is None and (decode or decode_products()) == "small_gemm"
+        self.standard_prefill = fp32 and (prefill or prefill_products()) == "standard"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         packed = self.packed
@@ -115,15 +142,60 @@ class Product:
                 return _small_gemm(x.contiguous(), self.weight, self.bias)
             return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
         if rows > PACKED_ROWS:
-            if self.weight.dtype == torch.float32:  # MKL's sgemm: any row count, nothing kept per shape
+            if self.standard_prefill:  # F.linear (MKL's sgemm): any row count, nothing kept per shape
                 return F.linear(x, self.weight, self.bias)
-            # torch hands bfloat16 products to oneDNN, which would keep a primitive per row count
+            # oneDNN in pieces whose primitives exist: one of all the rows would keep a primitive per row count
             return torch.cat([self(x[a : a + PACKED_ROWS]) for a in range(0, rows, PACKED_ROWS)])
         padded = padded_rows(rows)
         if padded != rows:
             x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])
         out = torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
         return out[:rows] if padded != rows else out
+
+
+def _forced(env: str, kinds: tuple[str, ...]) -> str | None:
+    """The kind ``$env`` forces, or None for ``auto`` (unset); anything else is an error, not a fallback."""
+    value = os.environ.get(env, "auto").strip().lower() or "auto"
+    if value != "auto" and value not in kinds:
+        raise ValueError(f"${env}={value!r}: expected auto, {', '.join(kinds)}")
+    return None if value == "auto" else value
+
+
+def _timed(
+    what: str, kinds: tuple[str, ...], vary: str, fixed: dict[str, str], shape: tuple[int, int], rows: int
+) -> str:
+    """Which of ``kinds`` (of the Product argument ``vary``) multiplies ``rows`` x a random weight of ``shape``
+    fastest here (:func:`native.timed_choice`: the first kind unless another is MARGIN faster; timed once per
+    machine and torch version, kept)."""
+    generator = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(shape, generator=generator), torch.randn(rows, shape[1], generator=generator)
+    runs = {kind: functools.partial(Product(weight, None, True, **fixed, **{vary: kind}), x) for kind in kinds}
+    with torch.no_grad():
+        key = f"{what.replace(' ', '-')}:{shape[0]}x{shape[1]}x{rows}:{native.machine_key()}"
+        return native.timed_choice(key, runs, kinds[0], what)
+
+
+@functools.cache
+def prefill_products() -> str:
+    """How this machine multiplies float32 products of more than PACKED_ROWS rows: ``standard``
+    (``F.linear``) unless oneDNN in pieces ran the trial (two pieces' rows times a 768 x 768 weight)
+    :data:`native.MARGIN` faster; ``$CBCORE_PREFILL_PRODUCTS`` forces one."""
+    forced = _forced(PREFILL_ENV, PREFILL_KINDS)
+    trial = ((768, 768), 2 * PACKED_ROWS)
+    return forced or _timed("prefill products", PREFILL_KINDS, "prefill", {"decode": "onednn"}, *trial)
+
+
+@functools.cache
+def decode_products() -> str:
+    """How this machine multiplies float32 products of up to EXACT_ROWS rows: ``small_gemm``
+    (``small_gemm.c``) unless oneDNN ran the trial (8 rows times a 64 MiB weight: more than a cache holds,
+    as a model's weights are) :data:`native.MARGIN` faster; ``$CBCORE_DECODE_PRODUCTS`` forces one. Where
+    ``small_gemm.c`` cannot run, oneDNN multiplies and nothing is timed."""
+    forced = _forced(DECODE_ENV, DECODE_KINDS)
+    if forced or small_gemm_refusal(torch.zeros(2, 2)) is not None:
+        return forced or "onednn"
+    trial = ((4096, 4096), EXACT_ROWS // 2)
+    return _timed("decode products", DECODE_KINDS, "decode", {"prefill": "standard"}, *trial)
 
 
 def small_gemm_refusal(weight: torch.Tensor) -> str | None:
