@@ -8,11 +8,16 @@ from cbcore.scheduling.policy import BudgetPolicy, SchedulerState, StepLimits
 
 
 class TokenBudgetParams(BaseModel):
+    """The defaults are vLLM's for its OpenAI server on a CPU: the prompts that arrive together are
+    prefilled together, so running requests' decodes are seldom slowed by a prefill (inter-token
+    latency) at the price of a long first step for a crowd (time to first token). docs/benchmarks.md
+    measures this against smaller budgets."""
+
     model_config = ConfigDict(extra="forbid")
 
-    max_num_seqs: int = Field(16, ge=1, description="Most sequences running at once.")
+    max_num_seqs: int = Field(128, ge=1, description="Most sequences running at once.")
     max_num_batched_tokens: int = Field(
-        512, ge=1, description="Most tokens (prefill + decode) in one forward."
+        2048, ge=1, description="Most tokens (prefill + decode) in one forward."
     )
 
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Serving throughput and latency of three servers on the same model under the same guidellm load:
-# vLLM's CPU build (compiled, its default), `cb serve` (default config; and cbcore-vllm-limits:
-# with vLLM's CPU server limits, 128 sequences and 2,048 tokens a step) and
-# `transformers serve --continuous-batching`. One server at a time, alone on the machine: start,
+# vLLM's CPU build (compiled, its default), `cb serve` (default config: vLLM's CPU server limits,
+# 128 sequences and 2,048 tokens a step; and cbcore-64x256, a budget that trades inter-token
+# latency for time to first token) and `transformers serve --continuous-batching`. One server at a time, alone on the machine: start,
 # wait for /v1/models, one warm-up request, guidellm at 1 stream (single-stream ITL) and at each
 # of $STREAMS concurrent streams, stop, wait for the port to be free, next server.
 # Load: 128-token synthetic prompts, exactly 64 output tokens, greedy, streamed /v1/completions
@@ -13,8 +13,8 @@
 # Prints one markdown table; guidellm's JSON reports and logs and the server logs stay in $OUT.
 #
 # Usage: scripts/serve_vs_vllm.sh   (from anywhere), settings in the environment:
-#   SERVERS="vllm cbcore cbcore-vllm-limits transformers"   which servers, in this order; also
-#                                        cbcore-SEQSxTOKENS: cb serve with that budget (e.g. cbcore-64x256)
+#   SERVERS="vllm cbcore cbcore-64x256 transformers"   which servers, in this order; any
+#                                        cbcore-SEQSxTOKENS: cb serve with that budget (most sequences x tokens a step)
 #                                        vllm-fcfs / vllm-edf: the same vLLM with cbcore_vllm.Scheduler deciding
 #                                        (contrib/vllm; fcfs or contrib edf, vLLM's CPU limits in its budget)
 #   STREAMS="16 64"                      concurrent streams, one guidellm run each
@@ -34,9 +34,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 
-SERVERS=${SERVERS:-vllm cbcore cbcore-vllm-limits transformers}
-# vLLM's defaults for its OpenAI server on a CPU (vllm/engine/arg_utils.py, get_batch_defaults).
-VLLM_LIMITS="--set scheduler.budget.max_num_seqs=128 --set scheduler.budget.max_num_batched_tokens=2048"
+SERVERS=${SERVERS:-vllm cbcore cbcore-64x256 transformers}
 STREAMS=${STREAMS:-16 64}
 REPEAT=${REPEAT:-1}
 [[ $REPEAT =~ ^[1-9][0-9]*$ ]] || { echo "REPEAT must be a positive integer, got '$REPEAT'" >&2; exit 2; }
@@ -108,7 +106,8 @@ start_server() {
     vllm | vllm-fcfs | vllm-edf)  # vllm_env() of contrib/vllm/tests/vllm_helpers.py, multiprocessing left on
       # (vLLM's default); 0.32 logs no requests unless --enable-log-requests, so no --disable-log-requests.
       # The adapter's servers differ from vllm only by the scheduler class and its config: the budget has
-      # vLLM's CPU limits (VLLM_LIMITS), the prefill no chunk cap beyond the budget (vLLM's default).
+      # vLLM's CPU limits (vllm/engine/arg_utils.py, get_batch_defaults: 128 sequences, 2,048 tokens a step,
+      # cbcore's default too), the prefill no chunk cap beyond the budget (vLLM's default).
       local bind=0 adapter=()
       [ "$(nproc)" -eq 1 ] || bind=0-$(($(nproc) - 1))
       [ "$1" = vllm ] || adapter=(--scheduler-cls cbcore_vllm.Scheduler --middleware cbcore_vllm.RequestCheck
@@ -119,13 +118,11 @@ start_server() {
         "$VLLM_VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$MODEL" --dtype float32 \
         --host 127.0.0.1 --port "$2" --max-model-len 2048 --block-size 32 "${adapter[@]}" >"$log" 2>&1 &
       ;;
-    cbcore | cbcore-vllm-limits)
-      local limits=
-      [ "$1" = cbcore ] || limits=$VLLM_LIMITS
-      # shellcheck disable=SC2086  # CB_ARGS and the limits are lists of words
-      setsid "$VENV/bin/cb" serve "${MODEL_FLAG[@]}" --host 127.0.0.1 --port "$2" $limits $CB_ARGS >"$log" 2>&1 &
+    cbcore)
+      # shellcheck disable=SC2086  # CB_ARGS is a list of words
+      setsid "$VENV/bin/cb" serve "${MODEL_FLAG[@]}" --host 127.0.0.1 --port "$2" $CB_ARGS >"$log" 2>&1 &
       ;;
-    cbcore-[0-9]*x[0-9]*)  # a candidate default: cbcore-SEQSxTOKENS (most sequences x tokens a step)
+    cbcore-[0-9]*x[0-9]*)  # another budget: cbcore-SEQSxTOKENS (most sequences x tokens a step)
       local shape=${1#cbcore-}
       # shellcheck disable=SC2086
       setsid "$VENV/bin/cb" serve "${MODEL_FLAG[@]}" --host 127.0.0.1 --port "$2" \
@@ -141,7 +138,7 @@ start_server() {
       setsid "$GLV/bin/guidellm" mock-server --host 127.0.0.1 --port "$2" --model mock \
         --ttft-ms 40 --itl-ms 10 --output-tokens 200 >"$log" 2>&1 &
       ;;
-    *) echo "unknown server '$1' (SERVERS: vllm vllm-fcfs vllm-edf cbcore cbcore-vllm-limits cbcore-SEQSxTOKENS transformers)" >&2; return 1 ;;
+    *) echo "unknown server '$1' (SERVERS: vllm vllm-fcfs vllm-edf cbcore cbcore-SEQSxTOKENS transformers)" >&2; return 1 ;;
   esac
   SERVER_PID=$!
 }
