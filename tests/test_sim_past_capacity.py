@@ -29,7 +29,7 @@ from cbcore.sim.profiler import QUICK
 from cbcore.sim.shape import StepShape
 
 # Arrivals faster than the tiny engine serves them on any machine, prompts of 8-40 tokens: saturated.
-SATURATED = "poisson:n=16,rate=200,lengths=uniform,input_len=24,output_len=12,range_ratio=0.6,seed=7"
+SATURATED = "poisson:n=16,rate=1000,lengths=uniform,input_len=24,output_len=12,range_ratio=0.6,seed=7"
 
 
 def prefill(tokens: int, start: int = 0) -> StepShape:
