@@ -115,3 +115,12 @@ def test_this_machine_times_its_instruction_sets_once_for_the_paged_decode_kerne
         assert f"chosen={entry['chosen']}" in caplog.text
     finally:
         paged_decode.KERNEL.forget()
+
+
+def test_a_cap_on_the_libraries_instruction_sets_keys_its_own_choices(monkeypatch):
+    """oneDNN capped to AVX2 runs another speed than oneDNN free: a choice timed free must not be reused."""
+    for name in native.LIBRARY_ISA_ENV:
+        monkeypatch.delenv(name, raising=False)
+    free = native.machine_key()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert native.machine_key() == free + ":ONEDNN_MAX_CPU_ISA=AVX2"

@@ -25,6 +25,11 @@ needs_onednn = pytest.mark.skipif(
 )
 
 
+needs_small_gemm = pytest.mark.skipif(
+    small_gemm_refusal(torch.zeros(2, 2)) is not None, reason="small_gemm.c cannot run here"
+)
+
+
 def _config(linear: str = "auto", forward: str = "auto") -> EngineConfig:
     return EngineConfig.model_validate({"execution": {"linear": linear, "forward": forward}})
 
@@ -135,7 +140,7 @@ def test_padded_and_blas_products_equal_the_plain_product(rows, bias, prefill):
 
 
 @needs_onednn
-@pytest.mark.parametrize("which", ["prefill", "decode"])
+@pytest.mark.parametrize("which", ["prefill", pytest.param("decode", marks=needs_small_gemm)])
 def test_the_products_ways_are_timed_once_per_machine_and_kept(monkeypatch, tmp_path, which):
     """MKL's sgemm took 2.3x oneDNN's time on a Zen 4 EPYC and 0.9x on a Xeon; small_gemm.c 1.23x oneDNN's
     at 16 rows there and 0.95x on the Xeon: measured on the machine, not assumed from its vendor."""
@@ -167,7 +172,9 @@ def test_the_products_ways_are_timed_once_per_machine_and_kept(monkeypatch, tmp_
 
 
 @needs_onednn
-@pytest.mark.parametrize(("prefill", "decode"), [("standard", "small_gemm"), ("onednn", "onednn")])
+@pytest.mark.parametrize(
+    ("prefill", "decode"), [pytest.param("standard", "small_gemm", marks=needs_small_gemm), ("onednn", "onednn")]
+)
 def test_long_prefills_and_decodes_are_token_exact_by_either_products(monkeypatch, prefill, decode):
     """Steps of more than PACKED_ROWS tokens (the tiny models' prompts are short: these are long), then
     decodes, through the fused forward, each way forced in turn: float32 greedy equals HF per prompt."""
@@ -230,11 +237,6 @@ def test_onednn_refuses_weights_it_cannot_pack_naming_them():
 def test_an_unknown_kind_is_a_config_error(field, value):
     with pytest.raises(ValueError, match=field):
         EngineConfig.model_validate({"execution": {field: value}})
-
-
-needs_small_gemm = pytest.mark.skipif(
-    small_gemm_refusal(torch.zeros(2, 2)) is not None, reason="small_gemm.c cannot run here"
-)
 
 
 @needs_small_gemm

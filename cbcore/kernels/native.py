@@ -153,10 +153,16 @@ def _build(source: Path, compiler: str, target: Path, isa: str) -> None:
         Path(tmp).unlink(missing_ok=True)
 
 
+#: Variables that cap the instruction set of torch's oneDNN or MKL: a choice timed under one holds for it only.
+LIBRARY_ISA_ENV = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+
+
 def machine_key() -> str:
-    """What a timing measured here is valid for: the CPU model, its feature flags and torch's version."""
+    """What a timing measured here is valid for: the CPU model, its feature flags, torch's version and any
+    cap on its libraries' instruction sets (:data:`LIBRARY_ISA_ENV`)."""
     flags = hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:12]
-    return f"{hardware_name()}:{flags}:torch-{torch.__version__}"
+    caps = "".join(f":{name}={os.environ[name]}" for name in LIBRARY_ISA_ENV if os.environ.get(name))
+    return f"{hardware_name()}:{flags}:torch-{torch.__version__}{caps}"
 
 
 def kept_choice(key: str, candidates: Iterable[str]) -> str | None:
