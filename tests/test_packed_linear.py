@@ -205,7 +205,8 @@ def test_long_prefills_and_decodes_are_token_exact_by_either_products(monkeypatc
 @pytest.mark.parametrize(
     ("env", "value", "chosen"),
     [("PREFILL", "standard", "standard"), ("PREFILL", " ONEDNN ", "onednn"), ("PREFILL", "mkl", None),
-     ("DECODE", "small_gemm", "small_gemm"), ("DECODE", "onednn", "onednn"), ("DECODE", "blas", None)],
+     pytest.param("DECODE", "small_gemm", "small_gemm", marks=needs_small_gemm),
+     ("DECODE", "onednn", "onednn"), ("DECODE", "blas", None)],
 )  # fmt: skip
 def test_the_products_ways_forced_by_the_environment_and_a_bad_value_named(monkeypatch, env, value, chosen):
     from cbcore.models import packed_linear
@@ -223,6 +224,19 @@ def test_the_products_ways_forced_by_the_environment_and_a_bad_value_named(monke
             assert choose() == chosen
     finally:
         choose.cache_clear()
+
+
+def test_forcing_small_gemm_where_it_cannot_run_is_an_error_naming_why(monkeypatch):
+    from cbcore.models import packed_linear
+
+    monkeypatch.setenv(packed_linear.DECODE_ENV, "small_gemm")
+    monkeypatch.setattr(packed_linear, "small_gemm_refusal", lambda weight: "no C compiler found")
+    packed_linear.decode_products.cache_clear()
+    try:
+        with pytest.raises(ValueError, match=r"CBCORE_DECODE_PRODUCTS=small_gemm: .*cannot run here: no C compiler"):
+            packed_linear.decode_products()
+    finally:
+        packed_linear.decode_products.cache_clear()
 
 
 @needs_onednn

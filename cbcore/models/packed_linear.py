@@ -190,9 +190,11 @@ def decode_products() -> str:
     """How this machine multiplies float32 products of up to EXACT_ROWS rows: ``small_gemm``
     (``small_gemm.c``) unless oneDNN ran the trial (8 rows times a 64 MiB weight: more than a cache holds,
     as a model's weights are) :data:`native.MARGIN` faster; ``$CBCORE_DECODE_PRODUCTS`` forces one. Where
-    ``small_gemm.c`` cannot run, oneDNN multiplies and nothing is timed."""
-    forced = _forced(DECODE_ENV, DECODE_KINDS)
-    if forced or small_gemm_refusal(torch.zeros(2, 2)) is not None:
+    ``small_gemm.c`` cannot run, oneDNN multiplies and nothing is timed (forcing it there is an error)."""
+    forced, why = _forced(DECODE_ENV, DECODE_KINDS), small_gemm_refusal(torch.zeros(2, 2))
+    if forced == "small_gemm" and why is not None:
+        raise ValueError(f"${DECODE_ENV}=small_gemm: small_gemm.c cannot run here: {why}")
+    if forced or why is not None:
         return forced or "onednn"
     trial = ((4096, 4096), EXACT_ROWS // 2)
     return _timed("decode products", DECODE_KINDS, "decode", {"prefill": "standard"}, *trial)
