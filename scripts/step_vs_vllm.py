@@ -5,7 +5,10 @@ generates ``W`` random ``C``-token prompts twice, once with ``--short`` and once
 with ``--long`` new tokens (greedy, EOS ignored, prefix caching off); the
 difference of the two wall times over the difference of the token counts is
 the time of one decode step of width ``W`` (prefill, start-up and the first
-steps cancel out). cbcore's side times its steps directly instead: the median
+steps cancel out). A prefill cell ``W x C`` (``--prefills``) is the wall time
+of generating one token for ``W`` fresh ``C``-token prompts, the same call on
+both sides (median of three), which is the prefill step and the requests'
+intake around it. cbcore's side times its steps directly instead: the median
 of the steps in which all ``W`` sequences decode (``StepStats.total_s``:
 schedule, pack, forward, sample), since on this engine the difference of two
 wall times carried the noise of two prefills of ``W x C`` tokens (one cell
@@ -53,9 +56,28 @@ def _timed(generate, ps: list, short: int, long: int) -> float:
     return (times[long] - times[short]) / (long - short)
 
 
-def cbcore_side(model_dir: str, cells: list[tuple[int, int]], short: int, long: int) -> dict[str, float]:
-    from cbcore import Engine, EngineConfig, SamplingParams
+def _prefilled(generate, cells: list[tuple[int, int]], vocab: int, wrap=list) -> dict[str, float]:
+    """Seconds to generate one token for each prefill cell's prompts: median of three fresh sets."""
+    out = {}
+    for w, c in cells:
+        generate(wrap(prompts(w, c, vocab, 1)), 1)  # warm: first-call costs of this shape
+        walls = []
+        for seed in range(2, 5):
+            ps = wrap(prompts(w, c, vocab, w * 7919 + c + seed))
+            t0 = time.perf_counter()
+            generate(ps, 1)
+            walls.append(time.perf_counter() - t0)
+        out[f"prefill:{w}x{c}"] = statistics.median(walls)
+    return out
 
+
+def cbcore_side(
+    model_dir: str, cells: list[tuple[int, int]], short: int, long: int, prefills: list[tuple[int, int]]
+) -> dict[str, float]:
+    from cbcore import Engine, EngineConfig, SamplingParams
+    from cbcore.cli.main import opt_in_process_settings
+
+    opt_in_process_settings()  # as `cb serve` runs: freed memory kept for the next step
     width, context = max(w for w, _ in cells), max(c for _, c in cells)
     config = EngineConfig.model_validate(
         {
@@ -84,10 +106,17 @@ def cbcore_side(model_dir: str, cells: list[tuple[int, int]], short: int, long: 
         width_now[0] = 0
         return statistics.median(steps)
 
-    return {f"{w}x{c}": timed(prompts(w, c, engine.vocab_size, w * 7919 + c)) for w, c in cells}
+    decodes = {f"{w}x{c}": timed(prompts(w, c, engine.vocab_size, w * 7919 + c)) for w, c in cells}
+
+    def generate(ps: list, n: int) -> None:
+        engine.generate(ps, SamplingParams(max_new_tokens=n, ignore_eos=True))
+
+    return decodes | _prefilled(generate, prefills, engine.vocab_size)
 
 
-def vllm_side(model_dir: str, cells: list[tuple[int, int]], short: int, long: int) -> dict[str, float]:
+def vllm_side(
+    model_dir: str, cells: list[tuple[int, int]], short: int, long: int, prefills: list[tuple[int, int]]
+) -> dict[str, float]:
     from vllm import LLM, SamplingParams, TokensPrompt
 
     width, context = max(w for w, _ in cells), max(c for _, c in cells)
@@ -105,10 +134,11 @@ def vllm_side(model_dir: str, cells: list[tuple[int, int]], short: int, long: in
     def generate(ps: list, n: int) -> None:
         llm.generate(ps, SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0), use_tqdm=False)
 
-    return {
-        f"{w}x{c}": _timed(generate, [TokensPrompt(prompt_token_ids=p) for p in prompts(w, c, vocab, w * 7919 + c)], short, long)
-        for w, c in cells
-    }
+    def wrap(ps: list) -> list:
+        return [TokensPrompt(prompt_token_ids=p) for p in ps]
+
+    decodes = {f"{w}x{c}": _timed(generate, wrap(prompts(w, c, vocab, w * 7919 + c)), short, long) for w, c in cells}
+    return decodes | _prefilled(generate, prefills, vocab, wrap)
 
 
 def run_side(side: str, args: argparse.Namespace) -> dict[str, float]:
@@ -118,7 +148,8 @@ def run_side(side: str, args: argparse.Namespace) -> dict[str, float]:
 
     py = str(VLLM_PY) if side == "vllm" else str(ROOT / ".venv" / "bin" / "python")
     cmd = [py, __file__, "--side", side, "--model", args.model, "--widths", args.widths,
-           "--contexts", args.contexts, "--short", str(args.short), "--long", str(args.long)]
+           "--contexts", args.contexts, "--short", str(args.short), "--long", str(args.long),
+           "--prefills", args.prefills]
     env = vllm_env() if side == "vllm" else None
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
@@ -135,11 +166,13 @@ def main() -> None:
     ap.add_argument("--short", type=int, default=8)
     ap.add_argument("--long", type=int, default=40)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--prefills", default="16x128", help="prefill cells WxC, comma-separated ('' for none)")
     args = ap.parse_args()
     cells = [(int(w), int(c)) for c in args.contexts.split(",") for w in args.widths.split(",")]
+    prefills = [tuple(map(int, cell.split("x"))) for cell in args.prefills.split(",") if cell]
     if args.side:
         fn = vllm_side if args.side == "vllm" else cbcore_side
-        print(json.dumps(fn(args.model, cells, args.short, args.long)))
+        print(json.dumps(fn(args.model, cells, args.short, args.long, prefills)))
         return
     if args.model is None:
         from cbcore.models.default_model import default_model_dir
@@ -157,6 +190,10 @@ def main() -> None:
         cell = f"{width}x{context}"
         v, c = statistics.median(samples["vllm"][cell]), statistics.median(samples["cbcore"][cell])
         print(f"| {width} | {context} | {v * 1e3:.1f} | {c * 1e3:.1f} | {c / v:.2f} |")
+    for width, context in prefills:
+        cell = f"prefill:{width}x{context}"
+        v, c = statistics.median(samples["vllm"][cell]), statistics.median(samples["cbcore"][cell])
+        print(f"| prefill {width} x {context} | | {v * 1e3:.1f} | {c * 1e3:.1f} | {c / v:.2f} |")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from cbcore.models.packed_linear import (
     EXACT_ROWS,
     PACKED_ROWS,
     PAD_STEP,
+    WHOLE_ROWS,
     Product,
     onednn_refusal,
     padded_rows,
@@ -92,9 +93,9 @@ def test_any_row_count_reaches_onednn_as_one_of_few_shapes():
 
 @needs_onednn
 def test_products_beyond_the_packed_rows_never_reach_onednn_as_one_shape(monkeypatch):
-    """Past PACKED_ROWS float32 goes to the BLAS, any row count, or to oneDNN in pieces of warmed row
-    counts (whichever this machine runs faster), and bfloat16 always in pieces: no oneDNN primitive per
-    prompt length."""
+    """Past PACKED_ROWS float32 goes to the BLAS, any row count, or to oneDNN as products of warmed row
+    counts (whichever this machine runs faster), and bfloat16 always to oneDNN so: no oneDNN primitive
+    per prompt length."""
     from cbcore.models import packed_linear
 
     packs_bf16 = torch.bfloat16 in packed_linear._packable()
@@ -115,14 +116,20 @@ def test_products_beyond_the_packed_rows_never_reach_onednn_as_one_shape(monkeyp
         assert by_blas(torch.randn(rows, 32)).shape == (rows, 48)
     assert seen == [padded_rows(EXACT_ROWS + 1), PACKED_ROWS]
     seen.clear()
-    x = torch.randn(1999, 32)
-    assert torch.allclose(in_pieces(x), F.linear(x, weight), atol=1e-5)
-    assert seen == [PACKED_ROWS] * 7 + [padded_rows(1999 - 7 * PACKED_ROWS)]
-    if bf16 is not None:  # torch would give bfloat16's F.linear to oneDNN: pieces of the packed rows instead
+    for rows, shapes in (
+        (1999, [7 * PACKED_ROWS, padded_rows(1999 - 7 * PACKED_ROWS)]),
+        (WHOLE_ROWS, [WHOLE_ROWS]),  # a full default budget: one product, no join
+        (2 * WHOLE_ROWS + 300, [WHOLE_ROWS, WHOLE_ROWS, PACKED_ROWS, padded_rows(300 - PACKED_ROWS)]),
+    ):
+        seen.clear()
+        x = torch.randn(rows, 32)
+        assert torch.allclose(in_pieces(x), F.linear(x, weight), atol=1e-5)
+        assert seen == shapes
+    if bf16 is not None:  # torch would give bfloat16's F.linear to oneDNN: warmed row counts instead
         seen.clear()
         x = torch.randn(600, 32, dtype=torch.bfloat16)
         assert torch.allclose(bf16(x).float(), F.linear(x.float(), bf16.weight.float()), atol=0.1, rtol=0.02)
-        assert seen == [PACKED_ROWS, PACKED_ROWS, padded_rows(600 - 2 * PACKED_ROWS)]
+        assert seen == [2 * PACKED_ROWS, padded_rows(600 - 2 * PACKED_ROWS)]
 
 
 @needs_onednn
