@@ -22,6 +22,7 @@
 #   REQUESTS=                            requests per run (default: max(48, 3 x streams))
 #   SINGLE_REQUESTS=8                    requests of the 1-stream run
 #   CB_ARGS= / TF_ARGS=                  extra `cb serve` / `transformers serve` arguments
+#   DTYPE=float32                        the model's dtype on every server (float32 or bfloat16)
 #   OUT=/tmp/serve-vs-vllm  WORK=.bench-venvs (guidellm's venv)  VENV=.venv  VLLM_VENV=.venv-vllm
 #   MODEL=                               model directory (default: cbcore's default model, as HF files)
 #   HEALTH_TIMEOUT=900  RUN_TIMEOUT=1800 seconds a server may take to start / one guidellm run may last
@@ -40,6 +41,8 @@ REPEAT=${REPEAT:-1}
 [[ $REPEAT =~ ^[1-9][0-9]*$ ]] || { echo "REPEAT must be a positive integer, got '$REPEAT'" >&2; exit 2; }
 SINGLE_REQUESTS=${SINGLE_REQUESTS:-8}
 CB_ARGS=${CB_ARGS:-}
+DTYPE=${DTYPE:-float32}
+[[ $DTYPE =~ ^(float32|bfloat16)$ ]] || { echo "DTYPE must be float32 or bfloat16, got '$DTYPE'" >&2; exit 2; }
 # transformers sizes its KV cache from 90% of free memory, on a CPU the machine's RAM. 91 blocks of
 # 256 tokens (one per request of this load) are ~1 GiB of float32 KV for the default model, what
 # vLLM (VLLM_CPU_KVCACHE_SPACE=1 below) and cb serve (kv_cache.max_memory_mb) get.
@@ -115,23 +118,23 @@ start_server() {
       setsid env -u VIRTUAL_ENV LD_PRELOAD="$VLLM_VENV/lib/libiomp5.so" VLLM_CPU_KVCACHE_SPACE=1 \
         VLLM_CPU_OMP_THREADS_BIND="$bind" VLLM_CPU_NUM_OF_RESERVED_CPU=0 \
         VLLM_NO_USAGE_STATS=1 VLLM_HOST_IP=127.0.0.1 \
-        "$VLLM_VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$MODEL" --dtype float32 \
+        "$VLLM_VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "$MODEL" --dtype "$DTYPE" \
         --host 127.0.0.1 --port "$2" --max-model-len 2048 --block-size 32 "${adapter[@]}" >"$log" 2>&1 &
       ;;
     cbcore)
       # shellcheck disable=SC2086  # CB_ARGS is a list of words
-      setsid "$VENV/bin/cb" serve "${MODEL_FLAG[@]}" --host 127.0.0.1 --port "$2" $CB_ARGS >"$log" 2>&1 &
+      setsid "$VENV/bin/cb" serve "${MODEL_FLAG[@]}" --dtype "$DTYPE" --host 127.0.0.1 --port "$2" $CB_ARGS >"$log" 2>&1 &
       ;;
     cbcore-[0-9]*x[0-9]*)  # another budget: cbcore-SEQSxTOKENS (most sequences x tokens a step)
       local shape=${1#cbcore-}
       # shellcheck disable=SC2086
-      setsid "$VENV/bin/cb" serve "${MODEL_FLAG[@]}" --host 127.0.0.1 --port "$2" \
+      setsid "$VENV/bin/cb" serve "${MODEL_FLAG[@]}" --dtype "$DTYPE" --host 127.0.0.1 --port "$2" \
         --set "scheduler.budget.max_num_seqs=${shape%x*}" --set "scheduler.budget.max_num_batched_tokens=${shape#*x}" \
         $CB_ARGS >"$log" 2>&1 &
       ;;
     transformers)
       # shellcheck disable=SC2086
-      setsid "$VENV/bin/transformers" serve "$MODEL" --continuous-batching --device cpu \
+      setsid "$VENV/bin/transformers" serve "$MODEL" --continuous-batching --device cpu --dtype "$DTYPE" \
         --host 127.0.0.1 --port "$2" $TF_ARGS >"$log" 2>&1 &
       ;;
     mock)
@@ -255,7 +258,7 @@ versions() {  # what ran: the commit, and each venv's package as installed
 }
 {
   echo "Machine: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) CPUs; $(date -u '+%Y-%m-%d %H:%M UTC')"
-  echo "Command: SERVERS=\"$SERVERS\" STREAMS=\"$STREAMS\" REPEAT=$REPEAT REQUESTS=\"${REQUESTS:-}\" CB_ARGS=\"$CB_ARGS\" TF_ARGS=\"$TF_ARGS\" scripts/serve_vs_vllm.sh"
+  echo "Command: SERVERS=\"$SERVERS\" STREAMS=\"$STREAMS\" REPEAT=$REPEAT REQUESTS=\"${REQUESTS:-}\" CB_ARGS=\"$CB_ARGS\" TF_ARGS=\"$TF_ARGS\" DTYPE=$DTYPE scripts/serve_vs_vllm.sh"
   echo "Model: $MODEL; 128 prompt + 64 output tokens, greedy, /v1/completions streamed"
   echo "Versions: $(versions)"
   echo
