@@ -79,3 +79,10 @@ def test_topk_rule():
     far = RequestOutput("r", [1], [5, 8], [], True, "length", logprobs=[{5: -0.1}, {8: -0.2}])
     assert compare_topk([close], [ref]).ok
     assert not compare_topk([far], [ref]).ok
+    # the report's lines (what `cb check --dtype bfloat16` prints) name the rule: no logit gap here
+    assert "near-tie (tolerated): first divergence at output token 1: expected 6, got 9, top-k rule" in (
+        compare_topk([close], [ref]).table()
+    )
+    assert "DIVERGED: first divergence at output token 1: expected 6, got 8, top-k rule" in (
+        compare_topk([far], [ref]).table()
+    )

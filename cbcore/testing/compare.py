@@ -47,7 +47,9 @@ class Comparison:
             ended = "reference" if self.expected is None else "engine"
             return f"{where}: the {ended} ended there (lengths {self.reference_len} vs {self.engine_len})"
         kind = "near-tie (tolerated)" if self.near_tie else "DIVERGED"
-        return f"{kind}: {where}: expected {self.expected}, got {self.actual}, logit gap {self.logit_gap:.3g}"
+        # the top-k rule (half precision) compares ranks, not a logit gap
+        gap = f"logit gap {self.logit_gap:.3g}" if self.logit_gap is not None else "top-k rule"
+        return f"{kind}: {where}: expected {self.expected}, got {self.actual}, {gap}"
 
 
 @dataclass(frozen=True)
