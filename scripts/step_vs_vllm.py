@@ -169,7 +169,12 @@ def main() -> None:
     ap.add_argument("--prefills", default="16x128", help="prefill cells WxC, comma-separated ('' for none)")
     args = ap.parse_args()
     cells = [(int(w), int(c)) for c in args.contexts.split(",") for w in args.widths.split(",")]
-    prefills = [tuple(map(int, cell.split("x"))) for cell in args.prefills.split(",") if cell]
+    try:
+        prefills = [tuple(map(int, cell.split("x", 1))) for cell in args.prefills.split(",") if cell]
+    except ValueError:
+        ap.error(f"--prefills {args.prefills!r}: expected cells like 16x128, comma-separated")
+    if any(len(cell) != 2 or min(cell) < 1 for cell in prefills):
+        ap.error(f"--prefills {args.prefills!r}: expected cells like 16x128, comma-separated")
     if args.side:
         fn = vllm_side if args.side == "vllm" else cbcore_side
         print(json.dumps(fn(args.model, cells, args.short, args.long, prefills)))

@@ -29,7 +29,8 @@ megabytes each at a few hundred rows (3.6 MiB at 600-700 rows times a
 thousand would grow by gigabytes, and a long run of a tiny model grew by
 27 MiB. So oneDNN sees few row counts: up to :data:`EXACT_ROWS` as they are,
 up to :data:`PACKED_ROWS` padded to a multiple of :data:`PAD_STEP` (46 row
-counts per layer shape, whatever the workload). Beyond that a float32 product
+counts per layer shape, whatever the workload; 53 with the prefills' below).
+Beyond that a float32 product
 has enough rows that MKL's own weight layout costs little beside the
 arithmetic, and ``F.linear`` multiplies any row count as one product with no
 primitive kept: a 15 x 128 prefill of the default model (1,921 rows) took
@@ -42,9 +43,10 @@ timed once per machine (:func:`prefill_products`, kept and logged like the C
 kernels' instruction set): ``F.linear``, or oneDNN in few row counts. There
 oneDNN multiplies the rows' whole multiple of :data:`PACKED_ROWS` (up to
 :data:`WHOLE_ROWS`) as one product, and the rest as above: 7 more primitives
-per layer shape. A 2,048-row step of the default model's products took 0.90x
-the time it took as 256-row pieces joined by ``torch.cat`` (0.95-0.97x at 300
-to 1,900 rows; 2-core AMD EPYC, Zen 4): the join copied every output again.
+per layer shape (peak RSS of a 16 x 128 prefill run of the default model
++28 MiB). A 2,048-row step of the default model's products took 0.90x the
+time it took as 256-row pieces joined by ``torch.cat`` (0.95-0.97x at 300 to
+1,900 rows; 2-core AMD EPYC, Zen 4): the join copied every output again.
 ``$CBCORE_PREFILL_PRODUCTS`` forces one, so that each path runs and is tested
 on one machine. bfloat16 always goes to oneDNN this way: torch hands its
 ``F.linear`` to oneDNN, which would keep a primitive per row count.
