@@ -116,6 +116,8 @@ def test_products_beyond_the_packed_rows_never_reach_onednn_as_one_shape(monkeyp
         assert by_blas(torch.randn(rows, 32)).shape == (rows, 48)
     assert seen == [padded_rows(EXACT_ROWS + 1), PACKED_ROWS]
     seen.clear()
+    packed_linear.warm([in_pieces], Product(torch.randn(8, 32), None, True))
+    warmed = set(seen)  # the row counts made when the engine is built
     for rows, shapes in (
         (1999, [7 * PACKED_ROWS, padded_rows(1999 - 7 * PACKED_ROWS)]),
         (WHOLE_ROWS, [WHOLE_ROWS]),  # a full default budget: one product, no join
@@ -125,6 +127,7 @@ def test_products_beyond_the_packed_rows_never_reach_onednn_as_one_shape(monkeyp
         x = torch.randn(rows, 32)
         assert torch.allclose(in_pieces(x), F.linear(x, weight), atol=1e-5)
         assert seen == shapes
+        assert set(seen) <= warmed, f"row counts {set(seen) - warmed} reach oneDNN without being warmed"
     if bf16 is not None:  # torch would give bfloat16's F.linear to oneDNN: warmed row counts instead
         seen.clear()
         x = torch.randn(600, 32, dtype=torch.bfloat16)
