@@ -169,12 +169,10 @@ def main() -> None:
     ap.add_argument("--prefills", default="16x128", help="prefill cells WxC, comma-separated ('' for none)")
     args = ap.parse_args()
     cells = [(int(w), int(c)) for c in args.contexts.split(",") for w in args.widths.split(",")]
-    try:
-        prefills = [tuple(map(int, cell.split("x", 1))) for cell in args.prefills.split(",") if cell]
-    except ValueError:
+    cells_given = [cell.split("x") for cell in args.prefills.split(",") if cell]
+    if not all(len(c) == 2 and all(n.isdigit() and int(n) > 0 for n in c) for c in cells_given):
         ap.error(f"--prefills {args.prefills!r}: expected cells like 16x128, comma-separated")
-    if any(len(cell) != 2 or min(cell) < 1 for cell in prefills):
-        ap.error(f"--prefills {args.prefills!r}: expected cells like 16x128, comma-separated")
+    prefills = [(int(w), int(c)) for w, c in cells_given]
     if args.side:
         fn = vllm_side if args.side == "vllm" else cbcore_side
         print(json.dumps(fn(args.model, cells, args.short, args.long, prefills)))

@@ -30,10 +30,9 @@ thousand would grow by gigabytes, and a long run of a tiny model grew by
 27 MiB. So oneDNN sees few row counts: up to :data:`EXACT_ROWS` as they are,
 up to :data:`PACKED_ROWS` padded to a multiple of :data:`PAD_STEP` (46 row
 counts per layer shape, whatever the workload; 53 with the prefills' below).
-Beyond that a float32 product
-has enough rows that MKL's own weight layout costs little beside the
-arithmetic, and ``F.linear`` multiplies any row count as one product with no
-primitive kept: a 15 x 128 prefill of the default model (1,921 rows) took
+Beyond that a float32 product has enough rows that MKL's own weight layout
+costs little beside the arithmetic, and ``F.linear`` multiplies any row
+count as one product with no primitive kept: a 15 x 128 prefill of the default model (1,921 rows) took
 0.89-0.95x the time it took as oneDNN pieces of 1,024 + 512 + 256 + 136 rows
 (three interleaved pairs of processes, 2-core Xeon with AVX-512). Not on
 every CPU: on a 2-core AMD EPYC (Zen 4, AVX-512) MKL's sgemm took 2.3x
@@ -242,7 +241,8 @@ def warm(products: Iterable[Product], head: Product) -> tuple[int, float]:
     Returns how many products ran and the seconds it took.
     """
     started = time.perf_counter()
-    counts = sorted({padded_rows(n) for n in range(1, PACKED_ROWS + 1)} | {*range(0, WHOLE_ROWS + 1, PACKED_ROWS)[2:]})
+    prefills = range(2 * PACKED_ROWS, WHOLE_ROWS + 1, PACKED_ROWS)  # the whole multiples past PACKED_ROWS
+    counts = sorted({padded_rows(n) for n in range(1, PACKED_ROWS + 1)} | set(prefills))
     seen: set[tuple[int, int, bool, bool]] = set()
     done = 0
     with torch.no_grad():
