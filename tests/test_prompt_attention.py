@@ -37,7 +37,10 @@ def alone(q, k, v, start, n):
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "dim", "layout"),
-    [(9, 3, 64, "joined"), (8, 4, 64, "heads-major"), (4, 4, 64, "joined"), (8, 2, 16, "joined"), (6, 2, 12, "heads-major")],
+    [
+        (9, 3, 64, "joined"), (8, 4, 64, "heads-major"), (4, 4, 64, "joined"), (8, 2, 16, "joined"),
+        (6, 2, 12, "heads-major"), (16, 2, 128, "heads-major"),
+    ],
 )
 def test_each_prompt_gets_what_sdpa_gives_it_alone(threads, heads, kv_heads, dim, layout):
     lens = [37, 200, 2, 64, 129, 16, 17, 3]
