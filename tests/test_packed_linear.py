@@ -152,7 +152,7 @@ def test_padded_and_blas_products_equal_the_plain_product(rows, bias, prefill):
 @needs_onednn
 @pytest.mark.parametrize("which", ["prefill", pytest.param("decode", marks=needs_small_gemm)])
 def test_the_products_ways_are_timed_once_per_machine_and_kept(monkeypatch, tmp_path, which):
-    """MKL's sgemm took 2.3x oneDNN's time on a Zen 4 EPYC and 0.9x on a Xeon; small_gemm.c 1.23x oneDNN's
+    """MKL's sgemm took 2.3x oneDNN's time on a Zen 5 EPYC and 0.9x on a Xeon; small_gemm.c 1.23x oneDNN's
     at 16 rows there and 0.95x on the Xeon: measured on the machine, not assumed from its vendor."""
     import types
 

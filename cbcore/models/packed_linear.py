@@ -13,7 +13,7 @@ weight that fits no cache, so its time is memory bandwidth, and there
 ``small_gemm.c`` (cbcore's own, four weight rows at a time, built like every
 cbcore kernel) multiplies from the model's own weights: 18 ms against
 oneDNN's 27 for the default model's products at one row, about 5 % less at
-16 rows (2-core AVX2 host). Not on every CPU: on a 2-core AMD EPYC (Zen 4)
+16 rows (2-core AVX2 host). Not on every CPU: on a 2-core AMD EPYC (Zen 5)
 oneDNN took 0.99x its time at one row, 0.88x at 8 and 0.81x at 16 (all the
 default model's products). So which of the two multiplies is timed once per
 machine (:func:`decode_products`); ``$CBCORE_DECODE_PRODUCTS`` forces one.
@@ -35,7 +35,7 @@ costs little beside the arithmetic, and ``F.linear`` multiplies any row
 count as one product with no primitive kept: a 15 x 128 prefill of the default model (1,921 rows) took
 0.89-0.95x the time it took as oneDNN pieces of 1,024 + 512 + 256 + 136 rows
 (three interleaved pairs of processes, 2-core Xeon with AVX-512). Not on
-every CPU: on a 2-core AMD EPYC (Zen 4, AVX-512) MKL's sgemm took 2.3x
+every CPU: on a 2-core AMD EPYC (Zen 5, AVX-512) MKL's sgemm took 2.3x
 oneDNN's time at every row count from 128 to 2,048 (MKL takes another code
 path on a CPU that is not Intel's). So which multiplies such a product is
 timed once per machine (:func:`prefill_products`, kept and logged like the C
@@ -45,7 +45,7 @@ oneDNN multiplies the rows' whole multiple of :data:`PACKED_ROWS` (up to
 per layer shape (peak RSS of a 16 x 128 prefill run of the default model
 +28 MiB). A 2,048-row step of the default model's products took 0.90x the
 time it took as 256-row pieces joined by ``torch.cat`` (0.95-0.97x at 300 to
-1,900 rows; 2-core AMD EPYC, Zen 4): the join copied every output again.
+1,900 rows; 2-core AMD EPYC, Zen 5): the join copied every output again.
 ``$CBCORE_PREFILL_PRODUCTS`` forces one, so that each path runs and is tested
 on one machine. bfloat16 always goes to oneDNN this way: torch hands its
 ``F.linear`` to oneDNN, which would keep a primitive per row count.
