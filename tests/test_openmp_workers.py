@@ -30,6 +30,7 @@ def settle(want):
 
 if sys.argv[1] == "kept":
     engine_loop.release_openmp_workers = lambda: "off for the control"
+engine_loop.pin_openmp_team = lambda: "off: its parallel region would make the engine thread's pool now"
 before = threads()
 engine = Engine(tiny_model("llama"))
 torch.randn(1 << 22).exp_()  # a parallel region on this thread (building has run some): one pooled worker

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cbcore.engine import Engine, RequestError
+from cbcore.kernels.placement import pin_openmp_team
 from cbcore.log import get_logger
 from cbcore.outputs import RequestOutput
 from cbcore.scale.router import EngineLoad, engine_load
@@ -190,6 +191,8 @@ class EngineLoop:
 
     def _run(self) -> None:
         try:
+            why = pin_openmp_team()  # this thread's team runs every step
+            log.info("engine threads", placed="one to a core" if why is None else "as the system places them", why=why)
             self._serve()
         except BaseException as exc:  # a fault of this loop's own: said, and every client told, as the thread ends
             self._stop_engine(exc)
