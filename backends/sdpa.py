@@ -45,6 +45,7 @@ from cbcore.kernels import paged_decode, prompt_attention
 from cbcore.kernels.paged_decode import PagedRows
 from cbcore.kernels.prompt_attention import Prompts
 from cbcore.log import get_logger
+from cbcore.models.packed_linear import with_room
 
 log = get_logger(__name__)
 
@@ -210,7 +211,7 @@ class SdpaBackend(Backend):
         k_pool, v_pool = kv_cache.k[layer_idx], kv_cache.v[layer_idx]  # [slots, Hkv, D]
         if plan.decode is not None and plan.decode.rows is None:
             return self._decode(query, k_pool, v_pool, plan.decode, scaling)
-        out = query.new_empty(query.shape)
+        out = with_room(len(query), query[0].numel(), query).view(query.shape)  # the o product pads it in place
         if plan.prompts is not None:
             prompt_attention.prompt_attention(query, key, value, out, plan.prompts, scaling)
         if plan.decode is not None:

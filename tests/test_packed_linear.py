@@ -18,6 +18,7 @@ from cbcore.models.packed_linear import (
     onednn_refusal,
     padded_rows,
     small_gemm_refusal,
+    with_room,
 )
 from cbcore.testing.tiny_models import random_prompts, tiny_model
 
@@ -89,6 +90,9 @@ def test_any_row_count_reaches_onednn_as_one_of_few_shapes():
     assert all(n <= padded_rows(n) < n + PAD_STEP for n in range(1, PACKED_ROWS + 1))
     assert all(padded_rows(n) == n for n in range(1, EXACT_ROWS + 1))
     assert len(counts) == EXACT_ROWS + (PACKED_ROWS - EXACT_ROWS) // PAD_STEP == 46
+    prefills = {padded_rows(n) for n in range(PACKED_ROWS + 1, WHOLE_ROWS + 1)}
+    assert all(n <= padded_rows(n) < n + PACKED_ROWS for n in range(PACKED_ROWS + 1, WHOLE_ROWS + 1))
+    assert len(prefills) == (WHOLE_ROWS - PACKED_ROWS) // PACKED_ROWS == 7
 
 
 @needs_onednn
@@ -119,9 +123,10 @@ def test_products_beyond_the_packed_rows_never_reach_onednn_as_one_shape(monkeyp
     packed_linear.warm([in_pieces], Product(torch.randn(8, 32), None, True))
     warmed = set(seen)  # the row counts made when the engine is built
     for rows, shapes in (
-        (1999, [7 * PACKED_ROWS, padded_rows(1999 - 7 * PACKED_ROWS)]),
-        (WHOLE_ROWS, [WHOLE_ROWS]),  # a full default budget: one product, no join
-        (2 * WHOLE_ROWS + 300, [WHOLE_ROWS, WHOLE_ROWS, PACKED_ROWS, padded_rows(300 - PACKED_ROWS)]),
+        (1999, [WHOLE_ROWS]),  # one product, padded: no join
+        (1921, [WHOLE_ROWS]),
+        (WHOLE_ROWS, [WHOLE_ROWS]),  # a full default budget
+        (2 * WHOLE_ROWS + 300, [WHOLE_ROWS, WHOLE_ROWS, padded_rows(300)]),
     ):
         seen.clear()
         x = torch.randn(rows, 32)
@@ -132,7 +137,38 @@ def test_products_beyond_the_packed_rows_never_reach_onednn_as_one_shape(monkeyp
         seen.clear()
         x = torch.randn(600, 32, dtype=torch.bfloat16)
         assert torch.allclose(bf16(x).float(), F.linear(x.float(), bf16.weight.float()), atol=0.1, rtol=0.02)
-        assert seen == [2 * PACKED_ROWS, padded_rows(600 - 2 * PACKED_ROWS)]
+        assert seen == [padded_rows(600)]
+
+
+@needs_onednn
+def test_an_input_with_room_is_padded_in_place_and_its_spare_rows_change_nothing(monkeypatch):
+    """The fused forward's ops leave room for a product's padding (``with_room``): the product then
+    multiplies the rows after the input in its storage instead of copying the input, whatever they hold."""
+    from cbcore.models import packed_linear
+
+    torch.manual_seed(0)
+    weight, bias = torch.randn(48, 32), torch.randn(48)
+    product = Product(weight, bias, True, "onednn")
+    seen: list[torch.Tensor] = []
+    mkldnn = torch.ops.mkldnn
+
+    class Spy:
+        def __getattr__(self, name):
+            if name == "_linear_pointwise":
+                return lambda x, *rest: seen.append(x) or mkldnn._linear_pointwise(x, *rest)
+            return getattr(mkldnn, name)
+
+    monkeypatch.setattr(packed_linear.torch.ops, "mkldnn", Spy(), raising=False)
+    for rows in (21, 300, 1921):
+        room = with_room(rows, 32, weight)
+        room.new_empty(0).set_(room.untyped_storage()).fill_(float("nan"))  # the spare rows hold anything
+        x = room.copy_(torch.randn(rows, 32))
+        seen.clear()
+        out = product(x)
+        assert [len(t) for t in seen] == [padded_rows(rows)] and seen[0].data_ptr() == x.data_ptr()  # no copy
+        assert out.shape == (rows, 48) and torch.allclose(out, F.linear(x, weight, bias), atol=1e-5)
+        seen.clear()
+        assert torch.allclose(product(x.clone()), out, atol=0) and seen[0].data_ptr() != x.data_ptr()  # no room: a copy
 
 
 @needs_onednn

@@ -24,6 +24,7 @@ from transformers.activations import SiLUActivation
 
 from cbcore.kernels import native
 from cbcore.kernels.native import NativeKernel
+from cbcore.models.packed_linear import with_room
 
 _P, _I, _F, _T = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 SOURCE = Path(native.__file__).with_name("decoder_ops.c")
@@ -68,9 +69,9 @@ class NativeOps:
     def add_norm(h: torch.Tensor, delta: torch.Tensor | None, norm: nn.Module) -> torch.Tensor:
         if not h.is_contiguous():  # h is added to in place: a copy would lose the residual
             raise ValueError("NativeOps.add_norm: the residual stream h must be contiguous")
-        out = torch.empty_like(h)
-        delta = None if delta is None else delta.contiguous()
         rows, width = h.shape
+        out = with_room(rows, width, h)  # the next product's input
+        delta = None if delta is None else delta.contiguous()
         ADD_RMS_NORM.fn(
             h.data_ptr(), None if delta is None else delta.data_ptr(), norm.weight.data_ptr(), out.data_ptr(),
             rows, width, norm.variance_epsilon, torch.get_num_threads(),
@@ -96,7 +97,7 @@ class NativeOps:
     def silu_mul(gate_up: torch.Tensor, act: nn.Module) -> torch.Tensor:
         gate_up = gate_up.contiguous()
         rows, width = gate_up.shape
-        out = gate_up.new_empty(rows, width // 2)
+        out = with_room(rows, width // 2, gate_up)  # the down product's input
         SILU_MUL.fn(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
         return out
 

@@ -40,12 +40,22 @@ oneDNN's time at every row count from 128 to 2,048 (MKL takes another code
 path on a CPU that is not Intel's). So which multiplies such a product is
 timed once per machine (:func:`prefill_products`, kept and logged like the C
 kernels' instruction set): ``F.linear``, or oneDNN in few row counts. There
-oneDNN multiplies the rows' whole multiple of :data:`PACKED_ROWS` (up to
-:data:`WHOLE_ROWS`) as one product, and the rest as above: 7 more primitives
-per layer shape (peak RSS of a 16 x 128 prefill run of the default model
-+28 MiB). A 2,048-row step of the default model's products took 0.90x the
-time it took as 256-row pieces joined by ``torch.cat`` (0.95-0.97x at 300 to
-1,900 rows; 2-core AMD EPYC, Zen 5): the join copied every output again.
+oneDNN multiplies up to :data:`WHOLE_ROWS` rows as one product, padded to a
+multiple of :data:`PACKED_ROWS`: 7 more primitives per layer shape (peak RSS
+of a 16 x 128 prefill run of the default model +28 MiB). A 2,048-row step of
+the default model's products took 0.90x the time it took as 256-row pieces
+joined by ``torch.cat`` (0.95-0.97x at 300 to 1,900 rows; 2-core AMD EPYC,
+Zen 5): the join copied every output again. Padded to a multiple of 64 rows
+instead, a step of 15 prompts of 128 and one decode took 0.97x the time of
+a 16 x 128 step (about 0.99x either way at a multiple of 256), but the 28
+primitives per shape added 317 MiB to that run's peak RSS (a primitive's
+memory grows with its rows times the weight's input width).
+
+Padding copies the input unless the rows after it in its storage are free:
+the fused forward's ops and the ``sdpa`` backend leave that room
+(:func:`with_room`), and a product multiplies whatever those rows hold into
+output rows it drops. A 63-sequence decode step took 0.95-0.99x its time
+with the copies.
 ``$CBCORE_PREFILL_PRODUCTS`` forces one, so that each path runs and is tested
 on one machine. bfloat16 always goes to oneDNN this way: torch hands its
 ``F.linear`` to oneDNN, which would keep a primitive per row count.
@@ -75,7 +85,7 @@ from cbcore.kernels.native import NativeKernel
 EXACT_ROWS = 16
 PACKED_ROWS = 256
 PAD_STEP = 8
-#: Past PACKED_ROWS, oneDNN multiplies whole multiples of PACKED_ROWS up to this many rows as one product.
+#: Past PACKED_ROWS, oneDNN multiplies up to this many rows as one product, padded to a multiple of PACKED_ROWS.
 WHOLE_ROWS = 2048
 #: The LM head multiplies only the sampling rows (one per sequence): warmed up to this many.
 HEAD_WARM_ROWS = 64
@@ -150,15 +160,30 @@ class Product:
         if rows > PACKED_ROWS:
             if self.standard_prefill:  # F.linear (MKL's sgemm): any row count, nothing kept per shape
                 return F.linear(x, self.weight, self.bias)
-            # oneDNN: the most whole PACKED_ROWS pieces it keeps a primitive for as one product, the rest after it
-            whole = min(rows // PACKED_ROWS * PACKED_ROWS, WHOLE_ROWS)
-            out = torch.ops.mkldnn._linear_pointwise(x[:whole], packed, self.bias, "none", [], "")
-            return out if whole == rows else torch.cat([out, self(x[whole:])])
+            if rows > WHOLE_ROWS:  # oneDNN: the most rows it keeps a primitive for as one product, the rest after it
+                return torch.cat([self(x[:WHOLE_ROWS]), self(x[WHOLE_ROWS:])])
         padded = padded_rows(rows)
         if padded != rows:
-            x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])
+            x = _with_rows(x, padded)
         out = torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
         return out[:rows] if padded != rows else out
+
+
+def with_room(rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
+    """An empty ``[rows, cols]`` tensor whose storage holds :func:`padded_rows` rows: a product of it
+    pads without copying it (:func:`_with_rows`)."""
+    return like.new_empty(padded_rows(rows), cols)[:rows]
+
+
+def _with_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x`` with ``rows`` rows: the rows after it in its storage where it has them (a view: what they hold
+    is multiplied into output rows that are dropped, each output row being its input row's alone), else
+    zeros joined on (a copy of ``x``: at 1,921 rows the four products' inputs of a default-model layer are
+    25 MB, some 60 ms a step)."""
+    cols = x.shape[1]
+    if x.is_contiguous() and x.untyped_storage().nbytes() >= (x.storage_offset() + rows * cols) * x.element_size():
+        return x.as_strided((rows, cols), (cols, 1))
+    return torch.cat([x, x.new_zeros(rows - len(x), cols)])
 
 
 def _forced(env: str, kinds: tuple[str, ...]) -> str | None:
@@ -231,8 +256,11 @@ def _small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 def padded_rows(rows: int) -> int:
-    """The row count oneDNN multiplies for ``rows`` (at most :data:`PACKED_ROWS`): few distinct ones."""
-    return rows if rows <= EXACT_ROWS else -(-rows // PAD_STEP) * PAD_STEP
+    """The row count oneDNN multiplies for ``rows`` (at most :data:`WHOLE_ROWS`): few distinct ones."""
+    if rows <= EXACT_ROWS:
+        return rows
+    step = PAD_STEP if rows <= PACKED_ROWS else PACKED_ROWS
+    return -(-rows // step) * step
 
 
 def warm(products: Iterable[Product], head: Product) -> tuple[int, float]:
@@ -241,8 +269,7 @@ def warm(products: Iterable[Product], head: Product) -> tuple[int, float]:
     Returns how many products ran and the seconds it took.
     """
     started = time.perf_counter()
-    prefills = range(2 * PACKED_ROWS, WHOLE_ROWS + 1, PACKED_ROWS)  # the whole multiples past PACKED_ROWS
-    counts = sorted({padded_rows(n) for n in range(1, PACKED_ROWS + 1)} | set(prefills))
+    counts = sorted({padded_rows(n) for n in range(1, WHOLE_ROWS + 1)})
     seen: set[tuple[int, int, bool, bool]] = set()
     done = 0
     with torch.no_grad():
