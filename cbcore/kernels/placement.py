@@ -7,10 +7,11 @@ slice: the first request of a guidellm run (whose data worker kept one of
 two cores busy) waited 0.75-0.92 s for its first token from `cb serve`,
 0.24-0.30 s with each engine thread on a core of its own (vLLM's CPU
 server binds its threads likewise; docs/serving.md). Quiet, the placement
-changed nothing measurable. Only a team with one thread for each core the process may use
-is placed (first CPU of each core), so processes that share a machine's
-cores by thread counts (``--threads``, replicas) are never piled on one.
-The OpenMP affinity variables, when set, are the user's choice and win.
+changed nothing measurable. Only a team with one thread for each core the
+process may use is placed (first CPU of each core), so processes that share
+a machine's cores by thread counts (``--threads``, replicas) are never
+piled on one. The OpenMP affinity variables, when set, are the user's
+choice and win.
 """
 
 from __future__ import annotations
