@@ -257,9 +257,7 @@ def _small_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 def padded_rows(rows: int) -> int:
     """The row count oneDNN multiplies for ``rows`` (at most :data:`WHOLE_ROWS`): few distinct ones."""
-    if rows <= EXACT_ROWS:
-        return rows
-    step = PAD_STEP if rows <= PACKED_ROWS else PACKED_ROWS
+    step = 1 if rows <= EXACT_ROWS else PAD_STEP if rows <= PACKED_ROWS else PACKED_ROWS
     return -(-rows // step) * step
 
 
