@@ -179,7 +179,7 @@ def _with_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     """``x`` with ``rows`` rows: the rows after it in its storage where it has them (a view: what they hold
     is multiplied into output rows that are dropped, each output row being its input row's alone), else
     zeros joined on (a copy of ``x``: at 1,921 rows the four products' inputs of a default-model layer are
-    25 MB, some 60 ms a step)."""
+    25 MB, and the 30 layers' products took 891 ms with the copies against 866 without)."""
     cols = x.shape[1]
     if x.is_contiguous() and x.untyped_storage().nbytes() >= (x.storage_offset() + rows * cols) * x.element_size():
         return x.as_strided((rows, cols), (cols, 1))
