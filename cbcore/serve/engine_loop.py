@@ -113,8 +113,10 @@ class EngineLoop:
             builder_openmp_workers="released" if why_kept is None else "kept",
             why_kept=why_kept,
         )
-        self._thread = threading.Thread(target=self._run, name="cbcore-engine", daemon=True)
+        placed = threading.Event()  # the engine thread's team placed: it then serves as before placement existed
+        self._thread = threading.Thread(target=self._run, args=(placed,), name="cbcore-engine", daemon=True)
         self._thread.start()
+        placed.wait()
         self.watchdog.start(self._thread)
 
     @property
@@ -189,9 +191,12 @@ class EngineLoop:
 
     # -- engine thread -------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _run(self, placed: threading.Event) -> None:
         try:
-            why = pin_openmp_team()  # this thread's team runs every step
+            try:
+                why = pin_openmp_team()  # this thread's team runs every step
+            finally:
+                placed.set()
             log.info("engine threads", placed="one to a core" if why is None else "as the system places them", why=why)
             self._serve()
         except BaseException as exc:  # a fault of this loop's own: said, and every client told, as the thread ends
